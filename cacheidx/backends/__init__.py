@@ -1,0 +1,135 @@
+"""The registry of backends: one small adapter per array library.
+
+Adapters are found through the entry-point group ``cacheidx.backends`` (this package registers
+its own there too), so a third party adds a library without touching cacheidx. An adapter's
+module is imported only when asked for by name or when the user's arrays come from its
+library: ``import cacheidx`` imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any
+
+from .base import Backend, inside, redirect_dropped
+
+__all__ = ["Backend", "available", "get", "use", "default", "names", "inside", "redirect_dropped"]
+
+GROUP = "cacheidx.backends"
+
+# Kept beside the entry points so that a source checkout that was never installed still works.
+_BUILTIN = {
+    "numpy": "cacheidx.backends.numpy:NumpyBackend",
+    "strict": "cacheidx.backends.strict:StrictBackend",
+    "torch": "cacheidx.backends.torch:TorchBackend",
+    "jax": "cacheidx.backends.jax:JaxBackend",
+    "cupy": "cacheidx.backends.cupy:CupyBackend",
+}
+_ALIASES = {"array_api_strict": "strict", "jax.numpy": "jax"}
+
+
+@cache
+def _targets() -> dict[str, str]:
+    found = dict(_BUILTIN)
+    for ep in entry_points(group=GROUP):
+        found[ep.name] = ep.value
+    return found
+
+
+def names() -> list[str]:
+    """Every registered backend name, usable here or not."""
+    return list(_targets())
+
+
+@cache
+def _class(name: str) -> type[Backend]:
+    import importlib
+
+    module, _, attr = _targets()[name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"cacheidx.backends: entry point {name!r} is not a Backend subclass")
+    return cls
+
+
+@cache
+def _instance(name: str) -> Backend:
+    backend = _class(name)()
+    backend.register(_index_class())
+    return backend
+
+
+def available() -> list[str]:
+    """Names of the backends usable on this machine (their library is installed)."""
+    return [name for name in _targets() if _class(name).usable()[0]]
+
+
+def _name(spec: Any) -> str:
+    if isinstance(spec, str):
+        name = _ALIASES.get(spec, spec)
+    else:  # a namespace module: numpy, torch, jax.numpy, cupy, array_api_strict, ...
+        top = getattr(spec, "__name__", "")
+        name = _ALIASES.get(top, top.split(".")[-1] if top.startswith("array_api_compat.")
+                            else top.split(".")[0])
+        name = _ALIASES.get(name, name)
+    if name not in _targets():
+        raise ValueError(
+            f"cacheidx.backends.get: no backend named {spec!r}; registered: {names()}"
+        )
+    return name
+
+
+def get(spec: Any = None) -> Backend:
+    """A backend by name, by namespace module, or the one an array's library needs.
+
+    ``None`` gives the default backend (``use``, else ``CACHEIDX_BACKEND``, else numpy).
+    """
+    if spec is None:
+        return _instance(_default[0])
+    if isinstance(spec, str) or _is_module(spec):
+        return _instance(_name(spec))
+    for name in _targets():
+        if _class(name).owns(spec):
+            return _instance(name)
+    return _generic(spec)
+
+
+def _is_module(x: Any) -> bool:
+    import types
+
+    return isinstance(x, types.ModuleType)
+
+
+def _generic(x: Any) -> Backend:
+    """Any other namespace array-api-compat understands gets the standard-only base."""
+    import array_api_compat
+
+    try:
+        xp = array_api_compat.array_namespace(x)
+    except TypeError:
+        raise TypeError(
+            f"cacheidx: {type(x).__name__} is not an array of any array API library"
+        ) from None
+    return Backend(xp)
+
+
+def _index_class() -> type:
+    from ..index import CacheIndex
+
+    return CacheIndex
+
+
+_default = [os.environ.get("CACHEIDX_BACKEND", "numpy")]
+
+
+def use(name: str) -> Backend:
+    """Make ``name`` the backend constructors build on when given no ``xp``."""
+    backend = get(name)
+    _default[0] = backend.name
+    return backend
+
+
+def default() -> Backend:
+    return get(None)

@@ -1,0 +1,143 @@
+"""The adapter contract, with a fallback written only against the array API standard.
+
+The standard has no scatter, so a backend supplies one operation the core cannot express:
+``scatter`` (store rows at slot numbers, dropping every number outside the pool). Everything
+else here has a standard-only default that a backend may replace with a native fast path.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import array_api_compat as compat
+
+
+class Backend:
+    """One array library, as the core sees it.
+
+    Subclasses set ``name`` and ``module`` (the library's top-level module, looked up in
+    ``sys.modules`` only, so that detecting an array never imports a framework).
+    """
+
+    name: str = "standard"
+    module: str | None = None
+    #: whether ``jit`` really compiles (reported by the conformance runner)
+    compiles: bool = False
+    #: whether ``scatter(..., donate=True)`` writes into the caller's memory
+    donates: bool = False
+
+    def __init__(self, xp: Any | None = None):
+        self._xp = xp
+
+    # -- detection ---------------------------------------------------------------------------
+    @classmethod
+    def usable(cls) -> tuple[bool, str]:
+        """Whether this backend can run here, and why not."""
+        import importlib.util
+
+        if cls.module is None or importlib.util.find_spec(cls.module) is not None:
+            return True, ""
+        return False, f"{cls.module} is not installed"
+
+    @classmethod
+    def owns(cls, x: Any) -> bool:
+        """Whether ``x`` is an array of this backend's library (never imports it)."""
+        if cls.module is None or cls.module not in sys.modules:
+            return False
+        return type(x).__module__.split(".")[0] in cls._modules()
+
+    @classmethod
+    def _modules(cls) -> tuple[str, ...]:
+        return (cls.module,)
+
+    @property
+    def xp(self) -> Any:
+        """The array-API namespace (array-api-compat's wrapper where the library needs one)."""
+        if self._xp is None:
+            self._xp = self.namespace()
+        return self._xp
+
+    def namespace(self) -> Any:
+        raise NotImplementedError(f"backend {self.name!r} names no namespace")
+
+    # -- the operations the core needs -----------------------------------------------------
+    def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
+        """``pool`` with ``rows[i]`` stored at slot ``slots[i]``; a slot outside the pool stores
+        nothing. With ``donate`` the pool's memory may be reused; without it the caller's pool is
+        never changed.
+
+        Standard-only: sort the targets, then let each slot find the token aimed at it with
+        ``searchsorted``. Static shapes, no boolean indexing; costs O(slots) as it copies.
+        """
+        xp = self.xp
+        n = pool.shape[0]
+        if n == 0 or slots.shape[0] == 0:
+            return pool
+        every_slot = xp.arange(n, dtype=slots.dtype, device=compat.device(pool))
+        target = xp.where(inside(slots, n), slots, xp.asarray(-1, dtype=slots.dtype))
+        order = xp.argsort(target, stable=True)
+        ranked = xp.take(target, order)
+        last = xp.searchsorted(ranked, every_slot, side="right") - 1
+        last = xp.clip(last, 0, None)
+        hit = xp.take(ranked, last) == every_slot
+        stored = xp.take(rows, xp.take(order, last), axis=0)
+        return xp.where(expand(xp, hit, pool.ndim), stored, pool)
+
+    def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
+        """Rows ``pool[slots[i]]`` where ``ok[i]``, exactly zero elsewhere (whatever the pool
+        holds there, NaN included). ``ok`` already implies the slot is inside the pool."""
+        xp = self.xp
+        if pool.shape[0] == 0:
+            return xp.zeros((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype,
+                            device=compat.device(pool))
+        safe = xp.where(ok, slots, xp.zeros_like(slots))
+        got = xp.take(pool, safe, axis=0)
+        return xp.where(expand(xp, ok, pool.ndim), got, xp.zeros((), dtype=pool.dtype))
+
+    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
+        """Compile ``fn`` where the library has a compiler; eager where it has none."""
+        return fn
+
+    def to_device(self, x: Any, device: Any) -> Any:
+        return compat.to_device(x, device)
+
+    def devices(self) -> list[Any]:
+        """The devices this backend can place arrays on, for the conformance runner."""
+        return [compat.device(self.xp.zeros(()))]
+
+    def register(self, cls: type) -> None:
+        """Register ``cls`` (the index) with the library's pytree registry, if it has one."""
+
+    def __repr__(self) -> str:
+        return f"<cacheidx backend {self.name}>"
+
+
+def inside(i: Any, n: int) -> Any:
+    """Law: ``i`` addresses one of ``n`` rows when ``0 <= i < n``; anything else addresses
+    nothing (``-1``, ``n`` and beyond, any other negative)."""
+    return (i >= 0) & (i < n)
+
+
+def expand(xp: Any, gate: Any, ndim: int) -> Any:
+    """``gate`` [N] broadcast against rows [N, ...] of ``ndim`` axes."""
+    return xp.reshape(gate, (gate.shape[0],) + (1,) * (ndim - 1))
+
+
+def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any) -> tuple[Any, Any]:
+    """Targets all inside the pool, and rows, whose plain indexed store equals a store with drop.
+
+    Libraries whose indexed store wraps ``-1`` or raises on an outside index (torch, CuPy) get
+    targets they cannot misread. A dropped row is sent to the slot of the first kept row and
+    carries that row's values, so it repeats a store that happens anyway; with no kept row it
+    rewrites slot 0 with what slot 0 holds. Sending it to slot 0 with its own values would
+    clobber a real write there. Static shapes: no boolean indexing, no host sync.
+    """
+    keep = inside(slots, pool.shape[0])
+    first = xp.reshape(xp.argmax(xp.astype(keep, xp.int8)), (1,))
+    some = xp.any(keep)
+    anchor_slot = xp.where(some, xp.take(slots, first), xp.zeros_like(first))
+    anchor_row = xp.where(some, xp.take(rows, first, axis=0), pool[0:1, ...])
+    target = xp.where(keep, slots, anchor_slot)
+    return target, xp.where(expand(xp, keep, rows.ndim), rows, anchor_row)

@@ -1,0 +1,175 @@
+"""Constructors: ``make`` from tensors, and ``rows``, ``whole``, ``packed`` from lengths."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import array_api_compat as compat
+import numpy as np
+
+from . import _check as check
+from . import backends
+from .index import CacheIndex
+
+__all__ = ["make", "rows", "whole", "packed"]
+
+
+def make(pos: Any, table: Any, *, row: Any = None,
+         every: Iterable[tuple[int, Any]] | None = None) -> CacheIndex:
+    """The index of tokens at positions ``pos`` ``[batch, seq]`` (-1 for padding) in sequences
+    held at the slots ``table`` ``[rows, context]`` (-1 for an unallocated column).
+
+    ``row`` ``[batch]`` names each lane's sequence (-1 for a lane of padding); without it lane
+    ``b`` is sequence ``b`` and ``rows`` must equal ``batch``. ``every`` gives, for a layer
+    keeping one entry per block of ``m`` positions, pairs ``(m, blocks)`` with ``blocks``
+    ``[rows, context_m]`` naming the slot of each block.
+
+    Raises if a shape is wrong, an axis is empty, an ``m`` is below 2 or two pairs share one.
+    """
+    pairs = [] if every is None else list(every)
+    named = [("pos", pos), ("table", table)]
+    named += [("row", row)] if row is not None else []
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise TypeError(f"cacheidx.make: every must hold (m, blocks) pairs, item {i} is "
+                            f"{pair!r}")
+        named.append((f"blocks of {pair[0]!r}", pair[1]))
+    xp = check.namespace("make", *named)
+    check.array("make", "pos", pos, xp, (None, None))
+    check.array("make", "table", table, xp, (None, None))
+    batch, rows_ = pos.shape[0], table.shape[0]
+    if row is None:
+        if rows_ != batch:
+            raise check.fail("make", f"without row the table must have one row per lane: "
+                             f"{rows_} rows for a batch of {batch}")
+    else:
+        check.array("make", "row", row, xp, (batch,))
+    blocks = []
+    for m, b in pairs:
+        m = check.integer("make", "m", m)
+        if m < 2:
+            raise check.fail("make", f"an m of every is below 2: {m}")
+        if m in dict(blocks):
+            raise check.fail("make", f"two tables of blocks have m = {m}")
+        blocks.append((m, check.array("make", f"the table of blocks of {m}", b, xp,
+                                      (rows_, None))))
+    _one_device("make", named)
+    return CacheIndex(kind="tabled", pos=pos, table=table, row=row, blocks=tuple(blocks))
+
+
+def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
+         device: Any = None) -> CacheIndex:
+    """Sequence ``b`` gets its own run of ``context`` slots, ``b*context`` to
+    ``b*context + context - 1``, and its ``lens[b]`` tokens sit at positions 0 to
+    ``lens[b] - 1``, padded on the left to the longest (the last token of every lane is in the
+    last column). Pools hold ``len(lens) * context`` slots. For each ``m`` of ``every``
+    sequence ``b`` also owns ``c = ceil(context / m)`` block slots from ``b * c``.
+
+    Raises if there is no lane, ``context`` is not positive, a length is negative or exceeds
+    ``context``, or an ``m`` is below 2 or appears twice."""
+    context = check.integer("rows", "context", context)
+    if context < 1:
+        raise check.fail("rows", f"context must be positive, got {context}")
+    lens = check.lengths("rows", "lens", lens)
+    if not lens:
+        raise check.fail("rows", "there is no lane: lens is empty")
+    for n in lens:
+        if n > context:
+            raise check.fail("rows", f"a lane of {n} tokens does not fit a context of {context}")
+    ms = [check.integer("rows", "m", m) for m in every]
+    for i, m in enumerate(ms):
+        if m < 2:
+            raise check.fail("rows", f"an m of every is below 2: {m}")
+        if m in ms[:i]:
+            raise check.fail("rows", f"m = {m} appears twice in every")
+    batch = len(lens)
+    pos = _left_padded(lens, max(max(lens), 1))
+    table = np.arange(batch * context).reshape(batch, context)
+    blocks = []
+    for m in ms:
+        c = -(-context // m)
+        blocks.append((m, np.arange(batch * c).reshape(batch, c)))
+    to = _converter(xp, device)
+    return CacheIndex(kind="tabled", pos=to(pos), table=to(table),
+                      blocks=tuple((m, to(b)) for m, b in blocks))
+
+
+def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
+          device: Any = None) -> CacheIndex:
+    """Whole sequences at positions 0 to ``seq - 1``: nothing is read and nothing is kept, so a
+    layer given it leaves its cache as it was. With ``lens``, lane ``b`` holds ``lens[b]``
+    tokens padded on the left.
+
+    Raises if ``batch`` or ``seq`` is not positive or a length does not fit."""
+    batch = check.integer("whole", "batch", batch)
+    seq = check.integer("whole", "seq", seq)
+    if batch < 1 or seq < 1:
+        raise check.fail("whole", f"batch and seq must be positive, got batch={batch}, "
+                         f"seq={seq}")
+    if lens is None:
+        lens = [seq] * batch
+    lens = check.lengths("whole", "lens", lens)
+    if len(lens) != batch:
+        raise check.fail("whole", f"lens names {len(lens)} lanes for a batch of {batch}")
+    for n in lens:
+        if n > seq:
+            raise check.fail("whole", f"a lane of {n} tokens does not fit seq={seq}")
+    return CacheIndex(kind="whole", pos=_converter(xp, device)(_left_padded(lens, seq)))
+
+
+def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheIndex:
+    """Lanes that each hold several whole sequences one after another: lane ``b`` holds
+    sequences of ``lens[b][0]``, ``lens[b][1]``, ... tokens, padded on the left to ``seq``;
+    each sequence's tokens are at positions 0 to ``n - 1`` and see only their own sequence.
+
+    Raises if there is no lane, ``seq`` is not positive, a length is negative or a lane's
+    lengths sum past ``seq``."""
+    seq = check.integer("packed", "seq", seq)
+    if seq < 1:
+        raise check.fail("packed", f"seq must be positive, got {seq}")
+    lanes = [check.lengths("packed", f"lens[{b}]", lane) for b, lane in enumerate(lens)]
+    if not lanes:
+        raise check.fail("packed", "there is no lane: lens is empty")
+    pos = np.full((len(lanes), seq), -1, dtype=np.int64)
+    for b, lane in enumerate(lanes):
+        if sum(lane) > seq:
+            raise check.fail("packed", f"lane {b} holds {sum(lane)} tokens, past seq={seq}")
+        start = seq - sum(lane)
+        for n in lane:
+            pos[b, start:start + n] = np.arange(n)
+            start += n
+    return CacheIndex(kind="packed", pos=_converter(xp, device)(pos))
+
+
+def _left_padded(lens: list[int], seq: int) -> np.ndarray:
+    """Positions ``[len(lens), seq]``: lane ``b``'s tokens at 0..lens[b]-1, -1 before them."""
+    i = np.arange(seq)[None, :]
+    pos = i - (seq - np.asarray(lens, dtype=np.int64))[:, None]
+    return np.where(pos >= 0, pos, -1)
+
+
+def _converter(xp: Any, device: Any):
+    """Build tensors in ``xp`` (a namespace or backend name; the default backend without one)
+    with its default integer dtype (int32 for JAX without x64)."""
+    ns = backends.get(xp).xp
+    info = getattr(ns, "__array_namespace_info__", None)
+    dtype = info().default_dtypes(device=device)["integral"] if info else ns.int64
+
+    def to(a: np.ndarray) -> Any:
+        return ns.asarray(a, dtype=dtype, device=device)
+
+    return to
+
+
+def _one_device(fn: str, named: list[tuple[str, Any]]) -> None:
+    devices = []
+    for name, x in named:
+        try:
+            devices.append((name, compat.device(x)))
+        except Exception:  # a tracer or a sharded array: placement is the compiler's
+            return
+    first_name, first = devices[0]
+    for name, d in devices[1:]:
+        if d != first:
+            raise check.fail(fn, f"{name} lies on {d} but {first_name} on {first}")

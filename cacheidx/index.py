@@ -1,0 +1,482 @@
+"""The cache index: for one call, which position each token holds and which slots hold the
+positions of its sequence.
+
+The cases are one ``kind`` (``"whole"``, ``"packed"``, ``"tabled"``) plus optional parts: a
+window, the block size read (``every``), a selection and a draft. Each operation branches
+once on them, near the top; the laws themselves live in :mod:`cacheidx.laws`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import array_api_compat as compat
+
+from . import _check as check
+from . import backends
+from .laws import block_of, closes, inside, sees, stands
+
+__all__ = ["CacheIndex", "Structure"]
+
+
+class Structure(NamedTuple):
+    """What a compiled program depends on beyond the index's tensors (the spec's ``walk``).
+
+    Two indices whose tensors have the same shapes share a compiled program iff their
+    structures are equal.
+    """
+
+    kind: str  #: "whole", "packed" or "tabled"
+    row: bool  #: whether a row map is present
+    blocks: tuple[int, ...]  #: the block size of each table of blocks, in order
+    every: int  #: the block size read, 1 for positions
+    window: int | None  #: the window, None when unset
+    columns: bool  #: whether a selection is present
+    draft: bool  #: whether a draft is present
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CacheIndex:
+    """The index of ``batch`` lanes of ``seq`` tokens each. Immutable: every derived index is
+    a new one. Build it with :func:`cacheidx.make`, :func:`cacheidx.rows`,
+    :func:`cacheidx.whole` or :func:`cacheidx.packed`."""
+
+    kind: str
+    pos: Any
+    table: Any = None
+    row: Any = None
+    blocks: tuple[tuple[int, Any], ...] = ()
+    block: int = 1
+    window_size: int | None = None
+    columns: Any = None
+    draft_slots: Any = None
+    draft_sees: Any = None
+
+    # -- what the index is ------------------------------------------------------------------
+    @cached_property
+    def xp(self) -> Any:
+        return compat.array_namespace(self.pos)
+
+    @cached_property
+    def backend(self) -> backends.Backend:
+        return backends.get(self.pos)
+
+    @property
+    def batch(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.pos.shape[1])
+
+    @property
+    def context(self) -> int:
+        """The number of columns a token's mask runs over without a selection."""
+        if self.kind != "tabled":
+            return -(-self.seq // self.block)
+        width = int(self._columns_table.shape[1])
+        return width + self.seq if self.draft_slots is not None else width
+
+    @property
+    def device(self) -> Any:
+        return compat.device(self.pos)
+
+    @property
+    def structure(self) -> Structure:
+        return Structure(
+            kind=self.kind,
+            row=self.row is not None,
+            blocks=tuple(m for m, _ in self.blocks),
+            every=self.block,
+            window=self.window_size,
+            columns=self.columns is not None,
+            draft=self.draft_slots is not None,
+        )
+
+    def tensors(self) -> list[Any]:
+        """The index's tensors, in the spec's walk order."""
+        return _flatten(self)[0]
+
+    def __repr__(self) -> str:
+        s = self.structure
+        parts = [f"{s.kind}", f"batch={self.batch}", f"seq={self.seq}", f"context={self.context}"]
+        if s.row:
+            parts.append("row")
+        if s.blocks:
+            parts.append(f"blocks={list(s.blocks)}")
+        if s.every != 1:
+            parts.append(f"every={s.every}")
+        if s.window is not None:
+            parts.append(f"window={s.window}")
+        if s.columns:
+            parts.append(f"select={self.columns.shape[-1]}")
+        if s.draft:
+            parts.append("draft")
+        return f"CacheIndex({', '.join(parts)})"
+
+    # -- derived indices --------------------------------------------------------------------
+    def window(self, w: int) -> CacheIndex:
+        """Tokens see only the last ``w`` positions at or before their own, themselves
+        included. Replaces the window the index had. Raises if ``w`` is not positive."""
+        w = check.integer("window", "w", w)
+        if w < 1:
+            raise check.fail("window", f"w must be positive, got {w}")
+        return dataclasses.replace(self, window_size=w)
+
+    def select(self, columns: Any) -> CacheIndex:
+        """Token ``i`` of lane ``b`` reads only the columns ``columns[b, i]``, of shape
+        ``[batch, seq, k]``. Keeps the window, replaces any selection.
+
+        Raises if ``columns`` does not have that shape, ``k`` is 0 or the index is a draft."""
+        xp = check.namespace("select", ("pos", self.pos), ("columns", columns))
+        if self.draft_slots is not None:
+            raise check.fail("select", "a draft cannot select columns")
+        if len(columns.shape) == 3 and columns.shape[2] == 0:
+            raise check.fail("select", "k is 0: columns has shape "
+                             f"{list(columns.shape)}")
+        check.array("select", "columns", columns, xp, (self.batch, self.seq, None))
+        return dataclasses.replace(self, columns=columns)
+
+    def draft(self, slots: Any, sees: Any) -> CacheIndex:
+        """The call's tokens are a draft verified in one call: token ``i`` stores at
+        ``slots[b, i]`` and sees token ``j`` of its lane where ``sees[b, i, j]``. The columns
+        are the table's, then the call's tokens. Keeps the window, replaces any draft.
+
+        Raises if a shape is wrong, or the index is whole, reads blocks or selects columns."""
+        xp = check.namespace("draft", ("pos", self.pos), ("slots", slots), ("sees", sees))
+        if self.kind != "tabled":
+            raise check.fail("draft", f"a {self.kind} index has no table to draft over")
+        if self.block != 1:
+            raise check.fail("draft", f"the index reads blocks of {self.block} positions")
+        if self.columns is not None:
+            raise check.fail("draft", "the index selects columns")
+        check.array("draft", "slots", slots, xp, (self.batch, self.seq))
+        check.array("draft", "sees", sees, xp, (self.batch, self.seq, self.seq), kind="bool")
+        return dataclasses.replace(self, draft_slots=slots, draft_sees=sees)
+
+    def every(self, m: int) -> CacheIndex:
+        """The index read in blocks of ``m`` positions: column ``j`` is block ``j``, positions
+        ``j*m`` to ``j*m + m - 1``, and stands at the block's last. Only the token closing a
+        block stores. ``every(m)`` of an index already reading blocks of ``m`` is that index.
+
+        Raises if ``m`` is not positive or, unless the index reads blocks of ``m`` already, if
+        it reads another block size, selects columns, is a draft or packed, or has a table and
+        none for blocks of ``m`` positions."""
+        m = check.integer("every", "m", m)
+        if m < 1:
+            raise check.fail("every", f"m must be positive, got {m}")
+        if m == self.block:
+            return self
+        if self.block != 1:
+            raise check.fail("every", f"the index reads blocks of {self.block} positions, "
+                             f"not {m}")
+        if self.columns is not None:
+            raise check.fail("every", "the index selects columns")
+        if self.draft_slots is not None:
+            raise check.fail("every", "the index is a draft")
+        if self.kind == "packed":
+            raise check.fail("every", "a packed index cannot read blocks")
+        if self.kind == "tabled" and m not in dict(self.blocks):
+            raise check.fail("every", f"the index has no table of blocks of {m} positions "
+                             f"(it has {[b for b, _ in self.blocks]})")
+        return dataclasses.replace(self, block=m)
+
+    def advance(self) -> CacheIndex:
+        """The index of the next token of every lane: ``seq`` is 1 and the position is one
+        past the lane's greatest (a lane of padding advances to 0). Keeps the window and the
+        block size, drops the selection and the draft. Raises on a whole index."""
+        if self.kind != "tabled":
+            raise check.fail("advance", f"a {self.kind} index has no next token")
+        xp = self.xp
+        last = xp.max(self.pos, axis=1, keepdims=True)
+        nxt = xp.clip(last, -1, None) + 1
+        return dataclasses.replace(self, pos=nxt, columns=None, draft_slots=None,
+                                   draft_sees=None)
+
+    def to_device(self, device: Any) -> CacheIndex:
+        """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
+        included: each tensor is replicated, never cut)."""
+        move = self.backend.to_device
+        leaves, structure = _flatten(self)
+        return _unflatten(structure, [move(x, device) for x in leaves])
+
+    # -- the call's tokens ------------------------------------------------------------------
+    def positions(self) -> Any:
+        """The tokens' positions clamped to 0 and the last column of the positions' table
+        (``seq - 1`` without one), for rotating: padding is 0. Independent of ``every``."""
+        last = self.seq if self.table is None else int(self.table.shape[1])
+        return self.xp.clip(self.pos, 0, last - 1)
+
+    @cached_property
+    def _valid(self) -> Any:
+        """Law: a token is padding when its position is negative or its lane's row addresses
+        no sequence of the table; padding stores nothing and sees nothing."""
+        ok = self.pos >= 0
+        if self.row is not None:
+            ok = ok & inside(self.row, int(self.table.shape[0]))[:, None]
+        return ok
+
+    @cached_property
+    def _t(self) -> Any:
+        """Positions with padding at -1, for reductions over a lane."""
+        return self.xp.where(self._valid, self.pos, self.xp.asarray(-1, dtype=self.pos.dtype))
+
+    @cached_property
+    def _last(self) -> Any:
+        """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
+        return self.xp.max(self._t, axis=1, keepdims=True)
+
+    def _arange(self, n: int) -> Any:
+        return self.xp.arange(n, dtype=self.pos.dtype, device=self.device)
+
+    # -- tables -----------------------------------------------------------------------------
+    @property
+    def _columns_table(self) -> Any:
+        """The table whose columns the index reads: positions', or blocks' under ``every``."""
+        return self.table if self.block == 1 else dict(self.blocks)[self.block]
+
+    @cached_property
+    def _lane_table(self) -> Any:
+        """[batch, width]: each lane's row of the table it reads; a lane of padding reads the
+        table's row 0, which its invalid tokens never use."""
+        table = self._columns_table
+        if self.row is None:
+            return table
+        xp = self.xp
+        rows = int(table.shape[0])
+        safe = xp.where(inside(self.row, rows), self.row, xp.zeros_like(self.row))
+        return xp.take(table, safe, axis=0)
+
+    def _lane_lookup(self, table: Any, cols: Any, ok: Any) -> Any:
+        """``table[b, cols[b, ...]]`` where ``ok``, -1 elsewhere (lane-wise gather, flat)."""
+        xp = self.xp
+        width = int(table.shape[1])
+        lane = xp.reshape(self._arange(self.batch), (self.batch,) + (1,) * (cols.ndim - 1))
+        flat = lane * width + xp.where(ok, cols, xp.zeros_like(cols))
+        got = xp.reshape(xp.take(xp.reshape(table, (-1,)), xp.reshape(flat, (-1,))), cols.shape)
+        return xp.where(ok, got, xp.asarray(-1, dtype=got.dtype))
+
+    # -- what each token sees: mask -----------------------------------------------------------
+    def mask(self) -> Any:
+        """Which columns of ``extend``'s seen each token sees: ``[batch, seq, context]``, or
+        ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
+        its position, under a window only the last ``w`` of them; a padded token sees none."""
+        if self.draft_slots is not None:
+            table_part, tail = self._draft_masks()
+            return self.xp.concat([table_part, tail], axis=2)
+        if self.columns is not None:
+            return self._sees_columns(self.columns)
+        cols = self._arange(self.context)[None, None, :]
+        return self._sees_columns(cols)
+
+    def visible(self) -> Any:
+        """``mask`` broadcastable to attention's ``[batch, heads, seq, context]``."""
+        return self.mask()[:, None, ...]
+
+    def _sees_columns(self, cols: Any) -> Any:
+        """[batch, seq, k]: whether token ``i`` of lane ``b`` sees column ``cols[b, i, k]``
+        (``cols`` broadcasts against ``[batch, seq, k]``). A column outside the context is
+        seen by no one."""
+        xp = self.xp
+        t = self.pos[:, :, None]
+        ok = self._valid[:, :, None] & inside(cols, self.context)
+        if self.kind == "tabled" or self.block != 1:
+            ok = ok & sees(stands(cols, self.block), t, self.window_size)
+            if self.kind != "tabled":  # a whole lane closes the blocks up to its last token
+                ok = ok & (stands(cols, self.block) <= self._last[:, :, None])
+            return ok
+        # whole and packed: column j is token j of the lane, seen from the same sequence
+        cols = xp.broadcast_to(cols, ok.shape)
+        p = self._lane_lookup(self.pos, cols, ok)
+        i = self._arange(self.seq)[None, :, None]
+        same = (cols - p) == (i - t)
+        return ok & (p >= 0) & same & sees(p, t, self.window_size)
+
+    def _draft_masks(self) -> tuple[Any, Any]:
+        """Under a draft: the table's columns before the lane's least position, then the
+        call's tokens as ``sees`` says; of both only those at or before the token's position
+        and within the window."""
+        xp = self.xp
+        valid, t, w = self._valid, self.pos, self.window_size
+        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+        least = xp.min(xp.where(valid, t, big), axis=1, keepdims=True)[:, :, None]
+        j = self._arange(int(self.table.shape[1]))[None, None, :]
+        table_part = valid[:, :, None] & (j < least) & sees(j, t[:, :, None], w)
+        tail = (valid[:, :, None] & valid[:, None, :] & self.draft_sees
+                & sees(t[:, None, :], t[:, :, None], w))
+        return table_part, tail
+
+    # -- pools: extend ------------------------------------------------------------------------
+    def extend(self, values: Any, pool: Any, *, donate: bool = False) -> tuple[Any, Any]:
+        """``(seen, pool')``: ``pool'`` is ``pool`` with ``values`` ``[batch, seq, ...]``
+        stored where the call's tokens sit, one scatter that drops every store addressing
+        nothing; ``seen`` ``[batch, context, ...]`` is what the tokens attend over, read from
+        ``pool'``, with every column no token of its lane sees exactly zero.
+
+        With ``donate`` the caller gives ``pool`` up and the backend writes into its memory
+        where it can; without it the caller's pool is never changed. Raises if ``values`` does
+        not have the shape ``[batch, seq, *pool.shape[1:]]``."""
+        self._check_extend(values, pool)
+        if self.kind != "tabled":
+            return self._seen_whole(values), pool
+        backend, xp = self.backend, self.xp
+        targets = self._store_slots()
+        rows = xp.reshape(values, (-1, *values.shape[2:]))
+        pool = backend.scatter(pool, xp.reshape(targets, (-1,)), rows, donate=donate)
+        return self._read(pool, values), pool
+
+    def _check_extend(self, values: Any, pool: Any) -> None:
+        xp = check.namespace("extend", ("pos", self.pos), ("values", values), ("pool", pool))
+        if pool.ndim < 1:
+            raise check.fail("extend", "pool must have a slot axis, got a 0-d array")
+        want = (self.batch, self.seq, *pool.shape[1:])
+        if tuple(values.shape) != want:
+            raise check.fail("extend", f"values must have shape {list(want)} (batch, seq, then "
+                             f"the pool's row), got {list(values.shape)}")
+        if values.dtype != pool.dtype:
+            raise TypeError(f"cacheidx.extend: values are {values.dtype} but the pool holds "
+                            f"{pool.dtype}")
+        del xp
+
+    def _store_slots(self) -> Any:
+        """Law: a token stores at its own column, the slot its table names at the column
+        standing at its position (in blocks, only a block's closing token), or at the slot the
+        draft names; padding and a token past the last column store nothing (-1)."""
+        xp = self.xp
+        if self.draft_slots is not None:
+            return xp.where(self._valid, self.draft_slots,
+                            xp.asarray(-1, dtype=self.draft_slots.dtype))
+        m, table = self.block, self._lane_table
+        col = block_of(self.pos, m)
+        ok = self._valid & (col < int(table.shape[1]))
+        if m != 1:
+            ok = ok & closes(self.pos, m)
+        return self._lane_lookup(table, col, ok)
+
+    def _read(self, pool: Any, values: Any) -> Any:
+        """Columns of the table read from ``pool``, zero where no token of the lane sees them
+        or the slot addresses nothing."""
+        xp, n = self.xp, int(pool.shape[0])
+        row = pool.shape[1:]
+        if self.columns is not None:
+            ok = self._sees_columns(self.columns)
+            slots = self._lane_lookup(self._lane_table, self.columns, ok)
+        else:
+            slots, ok = self._lane_table, self._some_token_sees()
+        ok = ok & inside(slots, n)
+        got = self.backend.gather(pool, xp.reshape(slots, (-1,)), xp.reshape(ok, (-1,)))
+        seen = xp.reshape(got, (*slots.shape, *row))
+        if self.draft_slots is None:
+            return seen
+        _, tail = self._draft_masks()
+        return xp.concat([seen, self._zero_where(values, xp.any(tail, axis=1))], axis=1)
+
+    def _some_token_sees(self) -> Any:
+        """[batch, width]: whether some token of each lane sees each column of the table (the
+        zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
+        xp, w = self.xp, self.window_size
+        width = int(self._columns_table.shape[1])
+        j = self._arange(width)[None, :]
+        if self.draft_slots is not None:  # columns before the least position, within reach
+            big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+            least = xp.min(xp.where(self._valid, self.pos, big), axis=1, keepdims=True)
+            ok = j < least
+            return ok if w is None else ok & (j > least - w)
+        stand = stands(j, self.block)
+        if w is None:
+            return stand <= self._last
+        return self._some_token_within(stand, w)
+
+    def _some_token_within(self, stand: Any, w: int) -> Any:
+        """Whether some valid token of the lane sits in ``[stand, stand + w)``: the smallest
+        token at or past ``stand``, found by one ``searchsorted`` over all lanes at once (each
+        lane's positions offset into a range of its own)."""
+        xp = self.xp
+        width = stand.shape[1]
+        reach = stands(width - 1, self.block) + w  # a token at or past it sees no column
+        t = xp.where(self._valid & (self.pos < reach), self.pos,
+                     xp.asarray(reach, dtype=self.pos.dtype))
+        span = reach + 1
+        lane = self._arange(self.batch)[:, None] * span
+        keys = xp.sort(xp.reshape(t + lane, (-1,)))
+        wanted = stand + lane
+        at = xp.searchsorted(keys, xp.reshape(wanted, (-1,)))
+        at = xp.clip(at, 0, keys.shape[0] - 1)
+        found = xp.reshape(xp.take(keys, at), wanted.shape) - lane
+        return (found >= stand) & (found < stand + w)
+
+    def _zero_where(self, values: Any, ok: Any) -> Any:
+        """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""
+        xp = self.xp
+        gate = xp.reshape(ok, (*ok.shape, *(1,) * (values.ndim - 2)))
+        return xp.where(gate, values, xp.zeros((), dtype=values.dtype))
+
+    def _seen_whole(self, values: Any) -> Any:
+        """On a whole index the columns are the lane's tokens (or the tokens closing its
+        blocks), read from ``values``; a column no token of the lane sees is zero."""
+        xp = self.xp
+        if self.columns is None and self.block == 1:
+            return self._zero_where(values, self._valid)
+        if self.columns is not None:
+            ok = self._sees_columns(self.columns)
+            cols = self.columns
+        else:
+            cols = self._arange(self.context)[None, :]
+            ok = stands(cols, self.block) <= self._last
+        # the token holding a column: itself, or the one closing its block (left padding first)
+        src = cols if self.block == 1 else (self.seq - 1 - self._last_of(cols)) + stands(
+            cols, self.block)
+        src = xp.broadcast_to(src, ok.shape)
+        lane = xp.reshape(self._arange(self.batch), (self.batch,) + (1,) * (ok.ndim - 1))
+        flat = xp.reshape(lane * self.seq + xp.where(ok, src, xp.zeros_like(src)), (-1,))
+        rows = xp.reshape(values, (-1, *values.shape[2:]))
+        got = self.backend.gather(rows, flat, xp.reshape(ok, (-1,)))
+        return xp.reshape(got, (*ok.shape, *values.shape[2:]))
+
+    def _last_of(self, cols: Any) -> Any:
+        """Each lane's greatest position, shaped to broadcast against ``cols``."""
+        return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
+
+
+# -- pytree: the tensors are leaves, the structure is static ------------------------------------
+def _flatten(index: CacheIndex) -> tuple[list[Any], Structure]:
+    """Leaves in the spec's walk order: row, positions, table, tables of blocks, selection,
+    draft slots, draft sees."""
+    leaves = [index.row] if index.row is not None else []
+    leaves.append(index.pos)
+    if index.table is not None:
+        leaves.append(index.table)
+    leaves.extend(b for _, b in index.blocks)
+    for part in (index.columns, index.draft_slots, index.draft_sees):
+        if part is not None:
+            leaves.append(part)
+    return leaves, index.structure
+
+
+def _unflatten(structure: Structure, leaves: Any) -> CacheIndex:
+    it = iter(leaves)
+    row = next(it) if structure.row else None
+    pos = next(it)
+    table = next(it) if structure.kind == "tabled" else None
+    blocks = tuple((m, next(it)) for m in structure.blocks)
+    columns = next(it) if structure.columns else None
+    slots, seen_by = (next(it), next(it)) if structure.draft else (None, None)
+    return CacheIndex(kind=structure.kind, pos=pos, table=table, row=row, blocks=blocks,
+                      block=structure.every, window_size=structure.window, columns=columns,
+                      draft_slots=slots, draft_sees=seen_by)
+
+
+def _leaf_names(structure: Structure) -> list[str]:
+    """The walk's paths of the leaves, in ``_flatten``'s order."""
+    names = ["tokens.row"] if structure.row else []
+    names.append("tokens.pos")
+    if structure.kind == "tabled":
+        names.append("tokens.table")
+    names += [f"tokens.blocks.{i}" for i in range(len(structure.blocks))]
+    if structure.columns:
+        names.append("columns")
+    if structure.draft:
+        names += ["draft.slots", "draft.sees"]
+    return names

@@ -1,0 +1,37 @@
+"""The laws every operation of an index reads, each stated once.
+
+These helpers work on arrays of any array API library through their operators alone, so the
+same line serves an eager NumPy call, a traced JAX step and a compiled torch graph. When a
+law changes, one helper changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends.base import inside
+
+__all__ = ["stands", "sees", "inside", "closes", "block_of"]
+
+
+def stands(column: Any, m: int) -> Any:
+    """Column is position: column ``j`` stands at position ``j``, and a column of a table of
+    blocks of ``m`` positions at its block's last position, ``j * m + m - 1``."""
+    return column if m == 1 else column * m + (m - 1)
+
+
+def sees(stand: Any, t: Any, window: int | None) -> Any:
+    """A token at position ``t`` sees a column standing at ``stand`` when the column stands at
+    or before it and, under a window ``w``, within the last ``w`` positions: ``t - w < stand``."""
+    ok = stand <= t
+    return ok if window is None else ok & (stand > t - window)
+
+
+def closes(t: Any, m: int) -> Any:
+    """In blocks of ``m`` positions only the token that closes a block stores: ``t = j*m + m-1``."""
+    return (t + 1) % m == 0
+
+
+def block_of(t: Any, m: int) -> Any:
+    """The block (column) a position belongs to."""
+    return t if m == 1 else t // m
