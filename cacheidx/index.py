@@ -9,10 +9,7 @@ once on them, near the top; the laws themselves live in :mod:`cacheidx.laws`.
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
 from typing import Any, NamedTuple
-
-import array_api_compat as compat
 
 from . import _check as check
 from . import backends
@@ -53,15 +50,17 @@ class CacheIndex:
     columns: Any = None
     draft_slots: Any = None
     draft_sees: Any = None
+    #: the adapter of the tensors' library; static, so a compiler never looks it up
+    backend: backends.Backend = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            object.__setattr__(self, "backend", backends.get(self.pos))
 
     # -- what the index is ------------------------------------------------------------------
-    @cached_property
+    @property
     def xp(self) -> Any:
-        return compat.array_namespace(self.pos)
-
-    @cached_property
-    def backend(self) -> backends.Backend:
-        return backends.get(self.pos)
+        return self.backend.xp
 
     @property
     def batch(self) -> int:
@@ -81,7 +80,7 @@ class CacheIndex:
 
     @property
     def device(self) -> Any:
-        return compat.device(self.pos)
+        return self.backend.device(self.pos)
 
     @property
     def structure(self) -> Structure:
@@ -199,8 +198,8 @@ class CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
         move = self.backend.to_device
-        leaves, structure = _flatten(self)
-        return _unflatten(structure, [move(x, device) for x in leaves])
+        leaves, static = _flatten(self)
+        return _unflatten(static, [move(x, device) for x in leaves])
 
     # -- the call's tokens ------------------------------------------------------------------
     def positions(self) -> Any:
@@ -209,7 +208,7 @@ class CacheIndex:
         last = self.seq if self.table is None else int(self.table.shape[1])
         return self.xp.clip(self.pos, 0, last - 1)
 
-    @cached_property
+    @property
     def _valid(self) -> Any:
         """Law: a token is padding when its position is negative or its lane's row addresses
         no sequence of the table; padding stores nothing and sees nothing."""
@@ -218,12 +217,12 @@ class CacheIndex:
             ok = ok & inside(self.row, int(self.table.shape[0]))[:, None]
         return ok
 
-    @cached_property
+    @property
     def _t(self) -> Any:
         """Positions with padding at -1, for reductions over a lane."""
         return self.xp.where(self._valid, self.pos, self.xp.asarray(-1, dtype=self.pos.dtype))
 
-    @cached_property
+    @property
     def _last(self) -> Any:
         """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
         return self.xp.max(self._t, axis=1, keepdims=True)
@@ -237,7 +236,7 @@ class CacheIndex:
         """The table whose columns the index reads: positions', or blocks' under ``every``."""
         return self.table if self.block == 1 else dict(self.blocks)[self.block]
 
-    @cached_property
+    @property
     def _lane_table(self) -> Any:
         """[batch, width]: each lane's row of the table it reads; a lane of padding reads the
         table's row 0, which its invalid tokens never use."""
@@ -328,7 +327,10 @@ class CacheIndex:
         return self._read(pool, values), pool
 
     def _check_extend(self, values: Any, pool: Any) -> None:
-        xp = check.namespace("extend", ("pos", self.pos), ("values", values), ("pool", pool))
+        for name, x in (("values", values), ("pool", pool)):
+            if not self.backend.same_library(x):
+                raise TypeError(f"cacheidx.extend: {name} must be an array of the index's "
+                                f"library ({self.backend.name}), got {type(x).__name__}")
         if pool.ndim < 1:
             raise check.fail("extend", "pool must have a slot axis, got a 0-d array")
         want = (self.batch, self.seq, *pool.shape[1:])
@@ -338,7 +340,6 @@ class CacheIndex:
         if values.dtype != pool.dtype:
             raise TypeError(f"cacheidx.extend: values are {values.dtype} but the pool holds "
                             f"{pool.dtype}")
-        del xp
 
     def _store_slots(self) -> Any:
         """Law: a token stores at its own column, the slot its table names at the column
@@ -441,7 +442,7 @@ class CacheIndex:
 
 
 # -- pytree: the tensors are leaves, the structure is static ------------------------------------
-def _flatten(index: CacheIndex) -> tuple[list[Any], Structure]:
+def _flatten(index: CacheIndex) -> tuple[list[Any], tuple[Structure, backends.Backend]]:
     """Leaves in the spec's walk order: row, positions, table, tables of blocks, selection,
     draft slots, draft sees."""
     leaves = [index.row] if index.row is not None else []
@@ -452,10 +453,11 @@ def _flatten(index: CacheIndex) -> tuple[list[Any], Structure]:
     for part in (index.columns, index.draft_slots, index.draft_sees):
         if part is not None:
             leaves.append(part)
-    return leaves, index.structure
+    return leaves, (index.structure, index.backend)
 
 
-def _unflatten(structure: Structure, leaves: Any) -> CacheIndex:
+def _unflatten(static: tuple[Structure, backends.Backend], leaves: Any) -> CacheIndex:
+    structure, backend = static
     it = iter(leaves)
     row = next(it) if structure.row else None
     pos = next(it)
@@ -465,7 +467,7 @@ def _unflatten(structure: Structure, leaves: Any) -> CacheIndex:
     slots, seen_by = (next(it), next(it)) if structure.draft else (None, None)
     return CacheIndex(kind=structure.kind, pos=pos, table=table, row=row, blocks=blocks,
                       block=structure.every, window_size=structure.window, columns=columns,
-                      draft_slots=slots, draft_sees=seen_by)
+                      draft_slots=slots, draft_sees=seen_by, backend=backend)
 
 
 def _leaf_names(structure: Structure) -> list[str]:

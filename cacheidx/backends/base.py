@@ -103,6 +103,20 @@ class Backend:
     def to_device(self, x: Any, device: Any) -> Any:
         return compat.to_device(x, device)
 
+    def device(self, x: Any) -> Any:
+        """Where ``x`` lies, for building arrays beside it."""
+        return compat.device(x)
+
+    def same_library(self, x: Any) -> bool:
+        """Whether ``x`` is an array this backend computes on (cheap: no namespace lookup,
+        so that it traces under a compiler)."""
+        if self.module is not None:
+            return self.owns(x)
+        try:
+            return compat.array_namespace(x) is self.xp
+        except TypeError:
+            return False
+
     def devices(self) -> list[Any]:
         """The devices this backend can place arrays on, for the conformance runner."""
         return [compat.device(self.xp.zeros(()))]
