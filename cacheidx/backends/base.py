@@ -29,7 +29,8 @@ class Backend:
     donates: bool = False
 
     def __init__(self, xp: Any | None = None):
-        self._xp = xp
+        # resolved now, never lazily inside a traced step (a compiler would guard on it)
+        self.xp = xp if xp is not None else self.namespace()
 
     # -- detection ---------------------------------------------------------------------------
     @classmethod
@@ -52,14 +53,8 @@ class Backend:
     def _modules(cls) -> tuple[str, ...]:
         return (cls.module,)
 
-    @property
-    def xp(self) -> Any:
-        """The array-API namespace (array-api-compat's wrapper where the library needs one)."""
-        if self._xp is None:
-            self._xp = self.namespace()
-        return self._xp
-
     def namespace(self) -> Any:
+        """The array-API namespace (array-api-compat's wrapper where the library needs one)."""
         raise NotImplementedError(f"backend {self.name!r} names no namespace")
 
     # -- the operations the core needs -----------------------------------------------------
@@ -120,6 +115,19 @@ class Backend:
     def devices(self) -> list[Any]:
         """The devices this backend can place arrays on, for the conformance runner."""
         return [compat.device(self.xp.zeros(()))]
+
+    def programs(self, jitted: Callable) -> int | None:
+        """How many programs ``jitted`` (from ``jit``) has compiled; ``None`` without a
+        compiler."""
+        return None
+
+    def forget(self) -> None:
+        """Drop every compiled program, so that independent suites do not share caches."""
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        """Whether ``after`` (a pool returned by a donating store) reuses ``before``'s
+        memory."""
+        return False
 
     def register(self, cls: type) -> None:
         """Register ``cls`` (the index) with the library's pytree registry, if it has one."""

@@ -61,6 +61,13 @@ class JaxBackend(Backend):
 
         return list(jax.devices())
 
+    def programs(self, jitted: Callable) -> int | None:
+        return jitted._cache_size()
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        # a donated buffer is deleted and its memory handed to the result
+        return before.is_deleted()
+
     def register(self, cls: type) -> None:
         import jax
 

@@ -1,0 +1,10 @@
+"""The law suite: every law of the index, written once, run on any backend and device.
+
+``python -m cacheidx.conformance`` runs it here; :data:`LAWS` and :class:`Case` let a test
+suite (or a third-party adapter's) run the same laws under its own test runner.
+"""
+
+from . import laws as _laws  # noqa: F401  (registers the laws)
+from .suite import LAWS, Case, Law, agree, law
+
+__all__ = ["LAWS", "Case", "Law", "agree", "law"]

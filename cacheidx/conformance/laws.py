@@ -1,0 +1,502 @@
+"""The index's laws, each a small concrete case a reader can check by hand.
+
+Every law runs on every backend, eagerly and compiled (``case.call`` demands the two agree bit
+for bit). Pools start with NaN wherever the law says a read must be zero, so a zero that is
+really a NaN times a zero weight shows up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import build
+from ..index import _flatten, _unflatten
+from .suite import Case, law
+
+nan = np.nan
+
+
+# -- steps run eagerly and compiled ---------------------------------------------------------
+def extend(index, values, pool):
+    return index.extend(values, pool)
+
+
+def mask(index):
+    return index.mask()
+
+
+def positions(index):
+    return index.positions()
+
+
+def visible(index):
+    return index.visible()
+
+
+# -- small helpers ----------------------------------------------------------------------------
+def ramp(batch: int, seq: int, width: int = 2) -> np.ndarray:
+    """Values a reader can trace: lane b, token i, element e holds 100(b+1) + 10i + e."""
+    b, i, e = np.meshgrid(np.arange(batch), np.arange(seq), np.arange(width), indexing="ij")
+    return (100 * (b + 1) + 10 * i + e).astype(np.float32)
+
+
+def stored(slots: int, known: dict[int, float], width: int = 2) -> np.ndarray:
+    """A pool of NaN but for the slots in ``known``, which hold their value."""
+    pool = np.full((slots, width), nan, dtype=np.float32)
+    for s, v in known.items():
+        pool[s] = v
+    return pool
+
+
+def same(case: Case, got, want, what: str) -> None:
+    got = case.numpy(got)
+    want = np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    assert np.array_equal(got, want, equal_nan=got.dtype.kind == "f"), (
+        f"{what}:\ngot\n{got}\nwant\n{want}")
+
+
+def index(case: Case, pos, table, **kw):
+    arr = case.array
+    if "row" in kw and kw["row"] is not None:
+        kw["row"] = arr(kw["row"])
+    if "every" in kw:
+        kw["every"] = [(m, arr(b)) for m, b in kw["every"]]
+    return build.make(arr(pos), arr(table), **kw)
+
+
+def on(case: Case) -> dict:
+    return {"xp": case.backend.name, "device": case.device}
+
+
+# -- column is position; a token stores at its own column -----------------------------------
+@law
+def law_column_is_position(case: Case) -> None:
+    """Column j of a lane's seen holds position j of its sequence; rows pads on the left."""
+    ix = build.rows(6, [2, 4], **on(case))
+    v = ramp(2, 4)
+    seen, pool = case.call(extend, ix, case.array(v), case.array(stored(12, {})))
+    want = np.zeros((2, 6, 2), np.float32)
+    want[0, :2], want[1, :4] = v[0, 2:], v[1]
+    same(case, seen, want, "seen")
+    want_pool = stored(12, {})
+    want_pool[0:2], want_pool[6:10] = v[0, 2:], v[1]
+    same(case, pool, want_pool, "pool")
+    same(case, ix.positions(), [[0, 0, 0, 1], [0, 1, 2, 3]], "positions")
+
+
+@law
+def law_a_token_stores_at_its_own_column(case: Case) -> None:
+    """A token stores at the slot its table names at its position, through the row map; every
+    other slot keeps what it held, NaN included."""
+    ix = index(case, [[0, 1], [1, 2]], [[5, 2, 7, -1], [0, 3, -1, 6]], row=[1, 0])
+    before = stored(8, {5: -5.0, 2: -2.0, 7: -7.0, 0: -0.5, 3: -3.0})
+    v = ramp(2, 2)
+    seen, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = before.copy()
+    want[0], want[3], want[2], want[7] = v[0, 0], v[0, 1], v[1, 0], v[1, 1]
+    same(case, pool, want, "pool")
+    want_seen = np.zeros((2, 4, 2), np.float32)
+    want_seen[0, 0], want_seen[0, 1] = v[0, 0], v[0, 1]  # sequence 1: slots 0, 3, hole, 6
+    want_seen[1, 0], want_seen[1, 1], want_seen[1, 2] = before[5], v[1, 0], v[1, 1]
+    same(case, seen, want_seen, "seen")
+
+
+@law
+def law_drop_means_drop(case: Case) -> None:
+    """A store at -1, at the pool's size, at a huge slot or any other negative one is dropped,
+    and a read of one is zero; a kept store beside dropped ones is exact."""
+    huge = case.int_max
+    before = stored(4, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+    v = ramp(1, 5)
+    ix = index(case, [[0, 1, 2, 3, 4]], [[-1, 4, huge, -7, 0]])
+    seen, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = before.copy()
+    want[0] = v[0, 4]
+    same(case, pool, want, "pool with one kept store")
+    want_seen = np.zeros((1, 5, 2), np.float32)
+    want_seen[0, 4] = v[0, 4]
+    same(case, seen, want_seen, "seen")
+    ix = index(case, [[0, 1, 2]], [[-1, 4, huge]])
+    _, pool = case.call(extend, ix, case.array(ramp(1, 3)), case.array(before))
+    same(case, pool, before, "pool with every store dropped")
+
+
+@law
+def law_padding_stores_nothing(case: Case) -> None:
+    """A position of -1, a lane whose row is -1 and a row outside the table are padding: they
+    store nothing, see nothing and read zero."""
+    ix = index(case, [[-1, 0], [1, 2], [0, 1]], [[0, 1, 2], [3, 4, 5]], row=[0, -1, 5])
+    before = stored(6, {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
+    v = ramp(3, 2)
+    seen, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = before.copy()
+    want[0] = v[0, 1]
+    same(case, pool, want, "pool")
+    want_seen = np.zeros((3, 3, 2), np.float32)
+    want_seen[0, 0] = v[0, 1]
+    same(case, seen, want_seen, "seen")
+    m = np.zeros((3, 2, 3), bool)
+    m[0, 1, 0] = True
+    same(case, case.call(mask, ix), m, "mask")
+
+
+@law
+def law_a_token_past_the_last_column_stores_nothing(case: Case) -> None:
+    """A token whose position is past the table's last column stores nothing; positions clamp
+    to the last column."""
+    ix = index(case, [[2, 3, 9]], [[0, 1, 2]])
+    before = stored(3, {0: 1.0, 1: 2.0})
+    v = ramp(1, 3)
+    _, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = before.copy()
+    want[2] = v[0, 0]
+    same(case, pool, want, "pool")
+    same(case, case.call(positions, ix), [[2, 2, 2]], "positions")
+
+
+# -- a column no token sees is zero -----------------------------------------------------------
+@law
+def law_unseen_columns_are_zero(case: Case) -> None:
+    """An unallocated column, one past every position of its lane and one below the window for
+    every token read as exactly zero whatever their slot holds; a hole is still masked in."""
+    ix = index(case, [[2, 3]], [[0, -1, 2, 3, 4, 5]])
+    seen, _ = case.call(extend, ix, case.array(ramp(1, 2)), case.array(stored(6, {0: 7.0})))
+    want = np.zeros((1, 6, 2), np.float32)
+    want[0, 0], want[0, 2:4] = 7.0, ramp(1, 2)[0]
+    same(case, seen, want, "seen: hole and columns past the lane")
+    m = case.numpy(case.call(mask, ix))
+    assert m[0, :, 1].all(), "a hole inside the range is masked in (it reads as a zero key)"
+
+    ix = index(case, [[4, 5]], [[0, 1, 2, 3, 4, 5]]).window(2)
+    seen, _ = case.call(extend, ix, case.array(ramp(1, 2)), case.array(stored(6, {3: 3.0})))
+    want = np.zeros((1, 6, 2), np.float32)
+    want[0, 3], want[0, 4:] = 3.0, ramp(1, 2)[0]
+    same(case, seen, want, "seen: columns below the window")
+
+    ix = index(case, [[1, 4]], [[0, 1, 2, 3, 4, 5]]).window(1)
+    seen, _ = case.call(extend, ix, case.array(ramp(1, 2)), case.array(stored(6, {})))
+    want = np.zeros((1, 6, 2), np.float32)
+    want[0, 1], want[0, 4] = ramp(1, 2)[0]
+    same(case, seen, want, "seen: a gap between two tokens' windows")
+
+
+@law
+def law_mask_is_causal_and_windowed(case: Case) -> None:
+    """A token sees the columns at or before its position, under a window only the last w; a
+    padded token sees none."""
+    for w in (None, 1, 2, 7):
+        ix = build.rows(5, [3, 5], **on(case))
+        ix = ix if w is None else ix.window(w)
+        pos = case.numpy(ix.pos)
+        want = np.zeros((2, 5, 5), bool)
+        for b in range(2):
+            for i in range(5):
+                for j in range(5):
+                    t = pos[b, i]
+                    want[b, i, j] = t >= 0 and j <= t and (w is None or j > t - w)
+        same(case, case.call(mask, ix), want, f"mask, window {w}")
+        same(case, case.call(visible, ix), want[:, None], f"visible, window {w}")
+
+
+@law
+def law_lanes_naming_one_sequence_see_each_other(case: Case) -> None:
+    """Lanes that name one sequence see each other's stores of this call, as one lane would."""
+    ix = index(case, [[2], [3], [4]], [[0, 1, 2, 3, 4, 5]], row=[0, 0, 0])
+    v = ramp(3, 1)
+    seen, _ = case.call(extend, ix, case.array(v), case.array(stored(6, {0: 1.0, 1: 2.0})))
+    want = np.zeros((3, 6, 2), np.float32)
+    for b, t in enumerate((2, 3, 4)):
+        want[b, 0], want[b, 1] = 1.0, 2.0
+        for j in range(2, t + 1):
+            want[b, j] = v[j - 2, 0]
+    same(case, seen, want, "seen")
+
+
+# -- blocks of m positions ------------------------------------------------------------------
+@law
+def law_blocks_store_only_closing_tokens(case: Case) -> None:
+    """In blocks of m only the token closing a block stores, at its block's slot; a block is
+    seen once closed."""
+    ix = build.rows(8, [6], every=[4], **on(case)).every(4)
+    assert ix.context == 2
+    v = ramp(1, 6)
+    seen, pool = case.call(extend, ix, case.array(v), case.array(stored(2, {})))
+    want = stored(2, {})
+    want[0] = v[0, 3]
+    same(case, pool, want, "blocks pool")
+    want_seen = np.zeros((1, 2, 2), np.float32)
+    want_seen[0, 0] = v[0, 3]
+    same(case, seen, want_seen, "seen")
+    m = np.zeros((1, 6, 2), bool)
+    m[0, 3:, 0] = True
+    same(case, case.call(mask, ix), m, "mask")
+    same(case, case.call(positions, ix), [[0, 1, 2, 3, 4, 5]], "positions ignore every")
+    assert ix.every(4) is ix and build.rows(8, [6], **on(case)).every(1).context == 8
+
+
+@law
+def law_a_window_over_blocks_reads_the_blocks_it_reaches(case: Case) -> None:
+    """Under a window w a token at t sees block j once closed and while j*m + m - 1 > t - w."""
+    ix = build.rows(12, [12], every=[4], **on(case)).every(4).window(5)
+    want = np.zeros((1, 12, 3), bool)
+    for t in range(12):
+        for j in range(3):
+            s = 4 * j + 3
+            want[0, t, j] = s <= t and s > t - 5
+    same(case, case.call(mask, ix), want, "mask")
+    before = stored(3, {})
+    v = ramp(1, 12)
+    seen, _ = case.call(extend, ix, case.array(v), case.array(before))
+    want_seen = np.stack([v[0, 3], v[0, 7], v[0, 11]])[None]
+    same(case, seen, want_seen, "seen: every block is seen by some token")
+
+
+# -- selections -----------------------------------------------------------------------------
+@law
+def law_a_selection_reads_the_chosen_columns(case: Case) -> None:
+    """Each token reads its k chosen columns: one chosen twice is read twice; one after its
+    position, outside the context or unallocated reads zero, masked but for the hole."""
+    ix = index(case, [[0, 1, 2, 3]], [[0, -1, 2, 3, 4, 5]])
+    cols = [[[1, -1, 6], [1, 0, 1], [2, 3, 0], [0, 0, 5]]]
+    sel = ix.select(case.array(cols))
+    before = stored(6, {})
+    v = ramp(1, 4)
+    seen, pool = case.call(extend, sel, case.array(v), case.array(before))
+    at = {0: v[0, 0], 2: v[0, 2], 3: v[0, 3]}
+    m = np.zeros((1, 4, 3), bool)
+    want = np.zeros((1, 4, 3, 2), np.float32)
+    for i in range(4):
+        for c, j in enumerate(cols[0][i]):
+            m[0, i, c] = 0 <= j <= i
+            if m[0, i, c] and j in at:
+                want[0, i, c] = at[j]
+    same(case, seen, want, "seen")
+    same(case, case.call(mask, sel), m, "mask")
+    _, plain = case.call(extend, ix, case.array(v), case.array(before))
+    same(case, pool, case.numpy(plain), "a selection does not change what is stored")
+
+
+@law
+def law_a_selection_on_a_whole_index_reads_tokens_and_blocks(case: Case) -> None:
+    """On a whole index a chosen column is a token of the lane, or a block under every."""
+    v = ramp(1, 4)
+    cols = [[[0, 3], [1, 0], [2, 2], [3, 1]]]
+    ix = build.whole(1, 4, **on(case)).select(case.array(cols))
+    seen, _ = case.call(extend, ix, case.array(v), case.array(stored(1, {})))
+    want = np.zeros((1, 4, 2, 2), np.float32)
+    for i in range(4):
+        for c, j in enumerate(cols[0][i]):
+            if j <= i:
+                want[0, i, c] = v[0, j]
+    same(case, seen, want, "seen over tokens")
+    ix = build.whole(1, 4, **on(case)).every(2).select(case.array([[[0], [0], [1], [1]]]))
+    seen, _ = case.call(extend, ix, case.array(v), case.array(stored(1, {})))
+    want = np.zeros((1, 4, 1, 2), np.float32)
+    want[0, 1:, 0] = v[0, 1]
+    want[0, 3, 0] = v[0, 3]
+    want[0, 2, 0] = 0.0  # block 1 closes at position 3
+    same(case, seen, want, "seen over blocks")
+
+
+# -- drafts ---------------------------------------------------------------------------------
+def _tree(case: Case, window: int | None = None):
+    """A table holding positions 0-2 and a draft tree: token 0 at 3; tokens 1 and 2 at 4,
+    children of 0; token 3 at 5, child of 1."""
+    parent = [-1, 0, 0, 1]
+    sees = np.zeros((1, 4, 4), bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            sees[0, i, j] = True
+            j = parent[j]
+    ix = index(case, [[3, 4, 4, 5]], [[0, 1, 2, -1, -1, -1]])
+    ix = ix if window is None else ix.window(window)
+    return ix.draft(case.array([[6, 7, 8, 9]]), case.array(sees)), sees
+
+
+@law
+def law_a_draft_stores_at_its_slots_and_sees_as_told(case: Case) -> None:
+    """Draft tokens store at the draft's slots, never in the table's columns; they see the
+    table's columns before the lane's least position and the call's tokens as sees says."""
+    ix, tree = _tree(case)
+    assert ix.context == 10
+    before = stored(10, {0: 1.0, 1: 2.0, 2: 3.0})
+    v = ramp(1, 4)
+    seen, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = before.copy()
+    want[6:10] = v[0]
+    same(case, pool, want, "pool")
+    want_seen = np.zeros((1, 10, 2), np.float32)
+    want_seen[0, :3] = before[:3]
+    want_seen[0, 6:] = v[0]
+    same(case, seen, want_seen, "seen")
+    m = np.zeros((1, 4, 10), bool)
+    m[0, :, :3] = True
+    m[0, :, 6:] = tree[0]
+    same(case, case.call(mask, ix), m, "mask")
+
+
+@law
+def law_a_draft_under_a_window_sees_only_its_reach(case: Case) -> None:
+    """Under a window the draft's tokens see table columns and tokens within the last w."""
+    ix, tree = _tree(case, window=2)
+    pos = [3, 4, 4, 5]
+    m = np.zeros((1, 4, 10), bool)
+    for i in range(4):
+        for j in range(3):
+            m[0, i, j] = j > pos[i] - 2
+        for j in range(4):
+            m[0, i, 6 + j] = tree[0, i, j] and pos[j] <= pos[i] and pos[j] > pos[i] - 2
+    same(case, case.call(mask, ix), m, "mask")
+    before = stored(10, {0: 1.0, 1: 2.0, 2: 3.0})
+    seen, _ = case.call(extend, ix, case.array(ramp(1, 4)), case.array(before))
+    want = np.zeros((1, 10, 2), np.float32)
+    want[0, 2] = 3.0  # only token 0 (at 3) reaches back to column 2
+    want[0, 6:] = ramp(1, 4)[0]
+    same(case, seen, want, "seen")
+
+
+# -- whole and packed -------------------------------------------------------------------------
+@law
+def law_a_whole_index_reads_values_and_keeps_the_pool(case: Case) -> None:
+    """On a whole index seen is values (padding zero) and the pool is left as it was; under
+    every it holds the tokens closing each block."""
+    ix = build.whole(2, 3, lens=[2, 3], **on(case))
+    v = ramp(2, 3)
+    before = stored(2, {0: 1.0})
+    seen, pool = case.call(extend, ix, case.array(v), case.array(before))
+    want = v.copy()
+    want[0, 0] = 0.0
+    same(case, seen, want, "seen")
+    same(case, pool, before, "pool")
+    m = np.zeros((2, 3, 3), bool)
+    m[0, 1, 1] = m[0, 2, 1] = m[0, 2, 2] = True
+    m[1] = np.tril(np.ones((3, 3), bool))
+    same(case, case.call(mask, ix), m, "mask")
+    ix = build.whole(1, 5, **on(case)).every(2)
+    assert ix.context == 3
+    seen, _ = case.call(extend, ix, case.array(ramp(1, 5)), case.array(before))
+    same(case, seen, np.stack([ramp(1, 5)[0, 1], ramp(1, 5)[0, 3], np.zeros(2)])[None],
+         "seen over blocks")
+
+
+@law
+def law_packed_tokens_see_their_own_sequence(case: Case) -> None:
+    """In a packed lane a token sees the tokens of its own sequence at or before its own."""
+    ix = build.packed(6, [[2, 3], [6]], **on(case))
+    same(case, case.call(positions, ix), [[0, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5]], "positions")
+    m = np.zeros((2, 6, 6), bool)
+    for i, j in [(1, 1), (2, 1), (2, 2), (3, 3), (4, 3), (4, 4), (5, 3), (5, 4), (5, 5)]:
+        m[0, i, j] = True
+    m[1] = np.tril(np.ones((6, 6), bool))
+    same(case, case.call(mask, ix), m, "mask")
+    same(case, case.call(mask, ix.window(2)), m & ~np.tril(np.ones((6, 6), bool), -2),
+         "mask under a window")
+
+
+# -- the call's tokens ----------------------------------------------------------------------
+@law
+def law_positions_are_clamped(case: Case) -> None:
+    """positions clamps to 0 and the last column of the positions' table: padding is 0."""
+    ix = index(case, [[-1, 0, 3, 9]], [[0, 1, 2, 3]])
+    same(case, case.call(positions, ix), [[0, 0, 3, 3]], "tabled")
+    same(case, case.call(positions, build.whole(1, 3, lens=[2], **on(case))), [[0, 0, 1]],
+         "whole")
+
+
+@law
+def law_advance_is_one_past_the_greatest(case: Case) -> None:
+    """advance gives one token per lane one past the lane's greatest position (0 for a lane of
+    padding), keeps the window and block size, drops the selection and draft."""
+    ix = index(case, [[1, 2], [-1, -1], [0, -1]], [[0, 1, 2]] * 3).window(2)
+    nxt = ix.advance()
+    same(case, nxt.pos, [[3], [0], [1]], "positions")
+    assert nxt.structure == ix.structure and nxt.seq == 1
+    sel = ix.select(case.array(np.zeros((3, 2, 1), np.int64))).advance()
+    assert not sel.structure.columns
+    drafted, _ = _tree(case)
+    assert not drafted.advance().structure.draft
+    blocks = build.rows(8, [3], every=[2], **on(case)).every(2).advance()
+    assert blocks.structure.every == 2
+
+
+# -- structure and storage ------------------------------------------------------------------
+@law
+def law_structure_names_what_compiles(case: Case) -> None:
+    """Values vary, structure does not: indices of other positions and tables share a
+    structure; another window, block size, selection or draft does not. The tensors are the
+    pytree's leaves and rebuild the same index."""
+    a = build.rows(8, [2, 4], every=[2], **on(case))
+    b = build.rows(8, [4, 1], every=[2], **on(case))
+    assert a.structure == b.structure
+    variants = [a, a.window(2), a.window(3), a.every(2),
+                a.select(case.array(np.zeros((2, 4, 1), np.int64)))]
+    assert len({v.structure for v in variants}) == len(variants)
+    c = index(case, [[1]], [[0, 1]], row=[0])
+    assert c.structure != index(case, [[1]], [[0, 1]]).structure
+    leaves, static = _flatten(a)
+    back = _unflatten(static, leaves)
+    assert back.structure == a.structure and all(x is y for x, y in zip(back.tensors(), leaves))
+
+
+@law
+def law_one_program_serves_every_position_and_allocation(case: Case) -> None:
+    """Compiled, one trace serves indices of other positions, tables and row maps."""
+    if not case.compiled or not case.backend.compiles:
+        return
+
+    def step(index, values, pool):
+        seen, pool = index.extend(values, pool)
+        return seen, index.mask(), pool
+
+    case.backend.forget()
+    jitted = case.backend.jit(step)
+    rng = np.random.default_rng(0)
+    for k in range(4):
+        table = rng.permutation(12).reshape(3, 4)
+        ix = index(case, rng.integers(-1, 4, (2, 3)), table, row=rng.integers(-1, 3, 2))
+        jitted(ix.window(2), case.array(ramp(2, 3) + k), case.array(stored(12, {})))
+    n = case.backend.programs(jitted)
+    assert n == 1, f"compiled {n} programs for 4 allocations"
+
+
+@law(eager_only=True)
+def law_donation_is_in_place_and_its_absence_copies(case: Case) -> None:
+    """extend never changes the caller's pool unless donated; donated, the backend stores into
+    the pool's memory where it can."""
+    ix = build.rows(4, [2, 3], **on(case))
+    before = stored(8, {0: 1.0, 5: 2.0})
+    pool = case.array(before)
+    _, after = ix.extend(case.array(ramp(2, 3)), pool)
+    same(case, pool, before, "the caller's pool after donate=False")
+    _, donated = ix.extend(case.array(ramp(2, 3)), pool, donate=True)
+    same(case, donated, case.numpy(after), "donated result")
+    if case.backend.donates:
+        assert case.backend.wrote_in_place(pool, donated), "donate=True copied the pool"
+
+
+@law(eager_only=True)
+def law_a_raising_call_changes_nothing(case: Case) -> None:
+    """Bad input raises ValueError (TypeError for a dtype) naming the function, and leaves the
+    caller's pool as it was."""
+    ix = build.rows(4, [2, 3], **on(case))
+    before = stored(8, {0: 1.0})
+    pool = case.array(before)
+    for values, error in ((ramp(2, 2), ValueError), (ramp(2, 3, width=3), ValueError),
+                          (case.array(ramp(2, 3), dtype=case.xp.int32), TypeError)):
+        values = values if not isinstance(values, np.ndarray) else case.array(values)
+        try:
+            ix.extend(values, pool, donate=True)
+        except error as e:
+            assert "cacheidx.extend" in str(e), str(e)
+        else:
+            raise AssertionError(f"extend took values of shape {values.shape}")
+        same(case, pool, before, "pool after a raising call")
+    for bad, fn in ((lambda: ix.window(0)), "window"), ((lambda: ix.every(3)), "every"):
+        try:
+            bad()
+        except ValueError as e:
+            assert f"cacheidx.{fn}" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn} took a bad argument")

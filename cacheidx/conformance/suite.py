@@ -1,0 +1,122 @@
+"""The law suite's frame: a registry of laws, and the case (backend, device, eager or
+compiled) each law runs in.
+
+A law is a function of a :class:`Case` that raises ``AssertionError`` when the law breaks. It
+builds its arrays with ``case.array`` and runs its computation through ``case.call``, which
+in compiled mode runs it both eagerly and compiled and demands they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import backends
+
+__all__ = ["Case", "Law", "LAWS", "law", "agree"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Law:
+    name: str
+    fn: Callable[[Case], None]
+    doc: str
+    eager_only: bool = False
+
+    def __call__(self, case: Case) -> None:
+        self.fn(case)
+
+
+LAWS: list[Law] = []
+
+
+def law(fn: Callable | None = None, *, eager_only: bool = False) -> Any:
+    """Register a law; its name is the function's, less ``law_``; its doc the docstring's
+    first line."""
+
+    def register(f: Callable) -> Callable:
+        doc = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
+        LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only))
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+@dataclasses.dataclass
+class Case:
+    """Where a law runs: a backend, a device, eagerly or compiled."""
+
+    backend: backends.Backend
+    device: Any = None
+    compiled: bool = False
+    _jitted: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def xp(self) -> Any:
+        return self.backend.xp
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def int_dtype(self) -> Any:
+        info = getattr(self.xp, "__array_namespace_info__", None)
+        return info().default_dtypes(device=self.device)["integral"] if info else self.xp.int64
+
+    @property
+    def int_max(self) -> int:
+        return int(self.xp.iinfo(self.int_dtype).max)
+
+    def array(self, a: Any, dtype: Any = None) -> Any:
+        """A NumPy-like value as an array of this case: integers in the index dtype, floats
+        as float32, bools as bool."""
+        a = np.asarray(a)
+        if dtype is None:
+            if a.dtype.kind in "iu":
+                dtype = self.int_dtype
+            elif a.dtype.kind == "b":
+                dtype = self.xp.bool
+            else:
+                dtype = self.xp.float32
+                a = a.astype(np.float32)
+        return self.xp.asarray(a, dtype=dtype, device=self.device)
+
+    def numpy(self, x: Any) -> np.ndarray:
+        """``x`` back on the host as NumPy, for comparing with plain expectations."""
+        if hasattr(x, "detach"):
+            return x.detach().cpu().numpy()
+        if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+            return x.get()
+        try:
+            return np.asarray(x)
+        except Exception:
+            return np.from_dlpack(x)
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)``; compiled, it runs eagerly too, and the two must agree bit for bit."""
+        eager = fn(*args)
+        if not self.compiled:
+            return eager
+        jitted = self._jitted.get(fn)
+        if jitted is None:
+            jitted = self._jitted[fn] = self.backend.jit(fn)
+        compiled = jitted(*args)
+        agree(self, eager, compiled, what=getattr(fn, "__name__", "step"))
+        return compiled
+
+
+def agree(case: Case, a: Any, b: Any, *, what: str = "step") -> None:
+    """Eager and compiled results are equal bit for bit (NaN where NaN)."""
+    if isinstance(a, tuple | list):
+        assert len(a) == len(b), f"{what}: {len(a)} eager outputs, {len(b)} compiled"
+        for x, y in zip(a, b):
+            agree(case, x, y, what=what)
+        return
+    x, y = case.numpy(a), case.numpy(b)
+    assert x.shape == y.shape, f"{what}: eager shape {x.shape}, compiled {y.shape}"
+    same = np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+    assert same, f"{what}: eager and compiled results differ\neager={x}\ncompiled={y}"
