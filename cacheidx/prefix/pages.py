@@ -94,16 +94,22 @@ class Pages:
         """Subtracts 1 from each page named and frees those reaching 0; ``PageError`` when a
         page is released more often than it is held (a double release)."""
         pages = self._live(pages, "release")
-        drop = np.bincount(pages, minlength=self.capacity)
-        over = np.flatnonzero(drop > self._counts)
+        pages = np.sort(pages)
+        # Sorted, repeats are neighbours; they are rare, so counting them is the slow path.
+        repeats = pages[1:] == pages[:-1]
+        if repeats.any():
+            pages, times = np.unique(pages, return_counts=True)
+        else:
+            times = np.ones(pages.size, dtype=np.int64)
+        over = np.flatnonzero(times > self._counts[pages])
         if over.size:
-            p = int(over[0])
+            p, t = int(pages[over[0]]), int(times[over[0]])
             raise PageError(
-                f"{_WHERE}.release: page {p} released {int(drop[p])} times, held "
+                f"{_WHERE}.release: page {p} released {t} times, held "
                 f"{int(self._counts[p])} (double release)"
             )
-        self._counts -= drop
-        freed = np.flatnonzero((drop > 0) & (self._counts == 0))
+        self._counts[pages] -= times
+        freed = pages[self._counts[pages] == 0]
         self._free[self._top : self._top + freed.size] = freed[::-1]
         self._top += freed.size
 
@@ -129,7 +135,8 @@ class Simulation:
     strategy: str
     peak: int  #: the most pages live at once
     pages: int  #: pages allocated in all (the plan's ``pages``)
-    tables: np.ndarray = dataclasses.field(repr=False)  #: pool pages of each prompt when it computed, aligned with order
+    #: the pool pages of each prompt while it computed, aligned with order, padded with -1
+    tables: np.ndarray = dataclasses.field(repr=False)
 
 
 def walk(plan: Plan, strategy: str = "count", pool: Pages | None = None) -> Iterator:
@@ -138,8 +145,9 @@ def walk(plan: Plan, strategy: str = "count", pool: Pages | None = None) -> Iter
     pool pages holding its tokens, all of them live. Raises :class:`PageError` when the pool
     runs out, or if a page read were free."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"cacheidx.prefix.walk: strategy must be one of {STRATEGIES}, got "
-                         f"{strategy!r}")
+        raise ValueError(
+            f"cacheidx.prefix.walk: strategy must be one of {STRATEGIES}, got {strategy!r}"
+        )
     pool = Pages(plan.pages) if pool is None else pool
     tables, npages, borrowed = plan.tables(), plan.npages, plan.borrowed
     where = np.full(plan.pages, -1, dtype=np.int64)  # plan page -> pool page
@@ -147,8 +155,9 @@ def walk(plan: Plan, strategy: str = "count", pool: Pages | None = None) -> Iter
     for i, table in step(plan, pool, tables, npages, borrowed, where):
         free = table[pool._counts[table] == 0]
         if free.size:
-            raise PageError(f"cacheidx.prefix.walk: prompt {int(plan.order[i])} reads free page "
-                            f"{int(free[0])}")
+            raise PageError(
+                f"cacheidx.prefix.walk: prompt {int(plan.order[i])} reads free page {int(free[0])}"
+            )
         yield i, table
 
 

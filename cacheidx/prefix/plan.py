@@ -22,9 +22,11 @@ entry ``i`` is about prompt ``order[i]``):
    last-token output it reuses. Without it (the spec), law 3's cap makes each copy recompute
    its last page.
 
-Sorting runs in C on big-endian byte keys (timsort with ``memcmp``, which orders bytes
-exactly as law 1 orders tokens); everything else is whole-array NumPy. Python loops only
-over prompts, to read them.
+Sorting runs in C on big-endian byte keys: timsort with ``memcmp``, which orders bytes
+exactly as law 1 orders tokens. (``np.lexsort`` over a padded array makes one pass per column:
+on 100,000 prompts of 2,176 tokens it took 6.3 s against 0.2 s.) Everything else is
+whole-array NumPy over the tokens; Python loops only over prompts, to read them and cut their
+keys.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ __all__ = ["Plan", "plan"]
 
 _WHERE = "cacheidx.prefix.plan"
 
-# Gathering tokens column-block by column-block bounds memory to about this many cells.
+# Common prefixes are measured over blocks of about this many tokens, and prompts are read
+# this many at a time: bounded, reused buffers (fresh memory costs more than reading it).
 _CELLS = 1 << 22
+_BATCH = 1024
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,11 +137,11 @@ def plan(prompts, page_size: int, *, lengths=None, dedupe: bool = False) -> Plan
     P = _count(page_size, "page_size", _WHERE)
     if P < 1:
         raise ValueError(f"{_WHERE}: page_size must be >= 1, got {P}")
-    flat, lens = _flatten(prompts, lengths)
-    starts = np.cumsum(lens) - lens
-    order = _sort(flat, starts, lens)
-    lcp = _lcp(flat, starts[order], lens[order])
+    prompts, lens = _read(prompts, lengths)
+    keys = _keys(prompts)
+    order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
     slen = lens[order]
+    lcp = _lcp([keys[i] for i in order], slen)
     shared = np.minimum(lcp, slen - 1) // P * P
     if dedupe:
         prev = np.concatenate([[-1], slen[:-1]])
@@ -157,22 +161,16 @@ def _count(value, name: str, where: str) -> int:
     return int(value)
 
 
-def _flatten(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
-    """All tokens end to end, and each prompt's length (int64). Validates every token."""
+def _read(prompts, lengths) -> tuple[list[np.ndarray], np.ndarray]:
+    """The prompts as 1-D integer arrays (views where they can be), and their lengths."""
     if isinstance(prompts, np.ndarray) and prompts.dtype != object:
-        flat, lens = _from_array(prompts, lengths)
-    elif lengths is not None:
+        return _from_array(prompts, lengths)
+    if lengths is not None:
         raise ValueError(f"{_WHERE}: lengths= goes with a padded 2-D array, not a sequence")
-    else:
-        flat, lens = _from_sequences(prompts)
-    if flat.size and flat.min() < 0:
-        at = int(np.argmax(flat < 0))
-        p = int(np.searchsorted(np.cumsum(lens), at, side="right"))
-        raise ValueError(f"{_WHERE}: prompt {p} has a negative token, {int(flat[at])}")
-    return flat, lens
+    return _from_sequences(prompts)
 
 
-def _from_array(prompts: np.ndarray, lengths) -> tuple[np.ndarray, np.ndarray]:
+def _from_array(prompts: np.ndarray, lengths) -> tuple[list[np.ndarray], np.ndarray]:
     """A 2-D array, every row a prompt, or its first ``lengths[r]`` tokens."""
     if prompts.ndim != 2:
         raise ValueError(
@@ -184,7 +182,7 @@ def _from_array(prompts: np.ndarray, lengths) -> tuple[np.ndarray, np.ndarray]:
     if lengths is None:
         if width == 0 and n:
             raise ValueError(f"{_WHERE}: prompt 0 is empty")
-        return prompts.reshape(-1), np.full(n, width, dtype=np.int64)
+        return list(prompts), np.full(n, width, dtype=np.int64)
     lens = np.asarray(lengths)
     _integers(lens, "lengths")
     if lens.shape != (n,):
@@ -195,10 +193,10 @@ def _from_array(prompts: np.ndarray, lengths) -> tuple[np.ndarray, np.ndarray]:
         what = "is empty" if lens[r] < 1 else f"has length {int(lens[r])} > width {width}"
         raise ValueError(f"{_WHERE}: prompt {r} {what}")
     lens = lens.astype(np.int64)
-    return prompts[np.arange(width) < lens[:, None]], lens
+    return [row[:k] for row, k in zip(prompts, lens.tolist())], lens
 
 
-def _from_sequences(prompts) -> tuple[np.ndarray, np.ndarray]:
+def _from_sequences(prompts) -> tuple[list[np.ndarray], np.ndarray]:
     """A sequence of 1-D token sequences (one loop over prompts, none over tokens)."""
     if isinstance(prompts, np.ndarray):  # object dtype: rows of different lengths
         raise ValueError(
@@ -216,9 +214,7 @@ def _from_sequences(prompts) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"{_WHERE}: prompt {p} is empty")
         _integers(a, f"prompt {p}")
         arrays.append(a)
-    lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    return flat, lens
+    return arrays, np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
 
 
 def _integers(a: np.ndarray, name: str) -> None:
@@ -226,47 +222,62 @@ def _integers(a: np.ndarray, name: str) -> None:
         raise TypeError(f"{_WHERE}: {name} must hold integers, got dtype {a.dtype}")
 
 
-# -- the plan's three steps ------------------------------------------------------------------
+def _keys(prompts: list[np.ndarray]) -> list[bytes]:
+    """Each prompt as fixed-width big-endian bytes, as few per token as the largest needs.
+    Such keys compare as law 1 orders prompts: ``bytes`` compares the first differing byte,
+    which sits in the first differing token, and puts a prefix before its extensions.
+    ``ValueError`` for a negative token."""
+    top = 0
+    for at in range(0, len(prompts), _BATCH):
+        low, high = _extremes(prompts[at : at + _BATCH])
+        if low < 0:
+            p = next(p for p in range(at, len(prompts)) if prompts[p].min() < 0)
+            raise ValueError(f"{_WHERE}: prompt {p} has a negative token, {int(prompts[p].min())}")
+        top = max(top, high)
+    dtype = ">u" + str(next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w)))
+    return [a.astype(dtype).tobytes() for a in prompts]
 
 
-def _sort(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Law 1. Fixed-width big-endian bytes compare exactly as the tokens do, and ``bytes``
-    compares a prefix before its extensions, so a stable sort on the keys is the law."""
-    if not lens.size:
-        return np.zeros(0, dtype=np.int64)
-    top = int(flat.max())
-    width = next(w for w in (1, 2, 4, 8) if top < 1 << (8 * w))
-    buf = flat.astype(f">u{width}").tobytes()
-    bounds = zip((starts * width).tolist(), ((starts + lens) * width).tolist())
-    keys = [buf[a:b] for a, b in bounds]
-    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+def _extremes(prompts: list[np.ndarray]) -> tuple[int, int]:
+    """The smallest and largest token of a batch of prompts."""
+    if np.result_type(*{a.dtype for a in prompts}).kind == "f":  # uint64 beside signed
+        return min(int(a.min()) for a in prompts), max(int(a.max()) for a in prompts)
+    tokens = np.concatenate(prompts)
+    return int(tokens.min()), int(tokens.max())
 
 
-def _lcp(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Law 2: for prompts in order (their starts and lengths), the common prefix length of each
-    with the one before. Compares blocks of columns of the pairs still equal, so work is
-    proportional to the shared tokens, memory to ``_CELLS``."""
+# -- the plan's steps ------------------------------------------------------------------------
+
+
+def _lcp(keys: list[bytes], lens: np.ndarray) -> np.ndarray:
+    """Law 2: for the keys of the prompts in order, the common prefix length of each with the
+    one before. Compares consecutive rows of padded blocks of about ``_CELLS`` tokens."""
     n = lens.size
     lcp = np.zeros(n, dtype=np.int64)
-    if n < 2:
-        return lcp
-    a, b = starts[:-1], starts[1:]
-    room = np.minimum(lens[:-1], lens[1:])
-    live = np.arange(n - 1)
-    col = 0
-    while live.size:
-        block = int(max(64, _CELLS // live.size))
-        k = col + np.arange(block)
-        inside = k < room[live, None]
-        # Columns past a pair's shorter prompt read token 0 of the pool and count as different.
-        ia = np.where(inside, a[live, None] + k, 0)
-        ib = np.where(inside, b[live, None] + k, 0)
-        differ = (flat[ia] != flat[ib]) | ~inside
-        done = differ.any(axis=1)
-        lcp[live[done] + 1] = col + np.argmax(differ[done], axis=1)
-        live = live[~done]
-        col += block
+    first = 1  # rows first - 1 .. last - 1 make one block
+    while first < n:
+        rows = max(1, _CELLS // int(lens[first - 1 : first + _CELLS // lens[first - 1]].max()))
+        last = min(n, first + rows)
+        block = _padded(keys[first - 1 : last], lens[first - 1 : last])
+        differ = block[1:] != block[:-1]
+        at = np.argmax(differ, axis=1)
+        room = np.minimum(lens[first - 1 : last - 1], lens[first:last])
+        # Padding compares as anything: a difference past the shorter prompt is its end.
+        hit = differ[np.arange(at.size), at]
+        lcp[first:last] = np.where(hit, np.minimum(at, room), room)
+        first = last
     return lcp
+
+
+def _padded(keys: list[bytes], lens: np.ndarray) -> np.ndarray:
+    """Keys as rows of unsigned words (equal exactly when the tokens are), padded with zeros."""
+    width = int(lens.max())
+    run = np.frombuffer(b"".join(keys), dtype=f"u{len(keys[0]) // int(lens[0])}")
+    if run.size == lens.size * width:
+        return run.reshape(lens.size, width)
+    block = np.zeros((lens.size, width), dtype=run.dtype)
+    block[np.arange(width) < lens[:, None]] = run
+    return block
 
 
 def _previous_smaller(values: np.ndarray) -> np.ndarray:

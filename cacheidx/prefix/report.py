@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from .pages import simulate
 from .plan import Plan
 
