@@ -1,0 +1,295 @@
+"""A Llama decoder on the array API standard, threading its pools through a cache index.
+
+The model never looks inside the index it is given: every layer stores its keys and values with
+``index.extend`` and attends over what comes back under ``index.mask()``, and the rotary angles
+come from ``index.positions()``. The same function therefore serves a whole prompt, a chunk of a
+prompt over contiguous or paged pools, a prefix shared by several sequences, one-token decoding
+after ``index.advance()``, and (when the index selects columns) a read of a few columns per token.
+
+Parameters are a plain pytree (dicts and lists of arrays of one namespace), so the forward runs
+eagerly on NumPy, PyTorch or CuPy and compiles under ``jax.jit`` or ``torch.compile``. Linear
+weights are stored ``[in, out]`` so a layer is ``x @ w``; the query and key weights are in the
+half-split rotary layout (the first half of a head's features pairs with the second half), which
+is what transformers uses; ``cacheidx.models.gguf`` converts a GGUF file's interleaved layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from array_api_compat import array_namespace
+
+__all__ = [
+    "Config",
+    "attend",
+    "empty_pools",
+    "forward",
+    "random_params",
+    "rms_norm",
+    "rotate",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The shape of a Llama decoder. Hashable, so it can be a static argument of a compiled step."""
+
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    head_dim: int | None = None
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    tied: bool = True
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"cacheidx.models.llama.Config: {self.heads} query heads do not group over "
+                f"{self.kv_heads} key-value heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"cacheidx.models.llama.Config: head_dim {self.head_dim} is odd")
+
+    @classmethod
+    def tiny(cls, **overrides) -> Config:
+        """A decoder small enough for the conformance suite: 2 layers, 4 query / 2 kv heads."""
+        base = dict(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, rope_base=10000.0)
+        base.update(overrides)
+        return cls(**base)
+
+
+def random_params(config: Config, *, seed: int = 0, xp=None, device=None, dtype=None) -> dict:
+    """Random weights for ``config`` (for tests), as arrays of namespace ``xp`` (NumPy by default).
+
+    Drawn with NumPy from ``seed`` and then converted, so every namespace gets the same numbers.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    c = config
+
+    def linear(n_in, n_out):
+        return rng.standard_normal((n_in, n_out), dtype=np.float32) / np.float32(math.sqrt(n_in))
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    params = {
+        "embed": rng.standard_normal((c.vocab, c.dim), dtype=np.float32),
+        "layers": [
+            {
+                "attn_norm": norm(c.dim),
+                "wq": linear(c.dim, c.heads * c.head_dim),
+                "wk": linear(c.dim, c.kv_heads * c.head_dim),
+                "wv": linear(c.dim, c.kv_heads * c.head_dim),
+                "wo": linear(c.heads * c.head_dim, c.dim),
+                "ffn_norm": norm(c.dim),
+                "w_gate": linear(c.dim, c.hidden),
+                "w_up": linear(c.dim, c.hidden),
+                "w_down": linear(c.hidden, c.dim),
+            }
+            for _ in range(c.layers)
+        ],
+        "norm": norm(c.dim),
+    }
+    if not c.tied:
+        params["out"] = linear(c.dim, c.vocab)
+    return convert(params, xp=xp, device=device, dtype=dtype)
+
+
+def convert(params, *, xp=None, device=None, dtype=None):
+    """``params`` with every array turned into one of namespace ``xp`` (a module or a name)."""
+    if xp is None:
+        return params
+    xp = _namespace(xp)
+
+    def go(p):
+        if isinstance(p, dict):
+            return {k: go(v) for k, v in p.items()}
+        if isinstance(p, list | tuple):
+            return [go(v) for v in p]
+        a = xp.asarray(p, device=device) if device is not None else xp.asarray(p)
+        return a if dtype is None else xp.astype(a, dtype)
+
+    return go(params)
+
+
+def _namespace(xp):
+    if not isinstance(xp, str):
+        return array_namespace(xp.zeros(1)) if hasattr(xp, "zeros") else xp
+    import importlib
+
+    module = {
+        "numpy": "numpy",
+        "torch": "torch",
+        "jax": "jax.numpy",
+        "cupy": "cupy",
+        "strict": "array_api_strict",
+    }[xp]
+    m = importlib.import_module(module)
+    return array_namespace(m.zeros(1))
+
+
+def empty_pools(config: Config, slots: int, *, like=None, xp=None, dtype=None, device=None):
+    """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros.
+
+    The namespace, dtype and device are those of the array ``like`` (a weight, say) unless given.
+    """
+    if like is not None:
+        xp = array_namespace(like) if xp is None else _namespace(xp)
+        dtype = like.dtype if dtype is None else dtype
+        device = _device(like) if device is None else device
+    else:
+        xp = _namespace("numpy" if xp is None else xp)
+        dtype = xp.float32 if dtype is None else dtype
+    shape = (slots, config.kv_heads, config.head_dim)
+
+    def zeros():
+        if device is None:
+            return xp.zeros(shape, dtype=dtype)
+        return xp.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(config.layers)]
+
+
+def _device(x):
+    from array_api_compat import device
+
+    return device(x)
+
+
+def rms_norm(x, weight, eps):
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis."""
+    xp = array_namespace(x, weight)
+    scale = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return weight * (x * scale)
+
+
+def _silu(x):
+    xp = array_namespace(x)
+    # sigmoid from exp(-|x|), which never overflows
+    z = xp.exp(-xp.abs(x))
+    return x * xp.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+
+
+def rotary(positions, head_dim, base, dtype):
+    """``(cos, sin)`` of shape ``[batch, seq, 1, head_dim]`` for the half-split rotary layout."""
+    xp = array_namespace(positions)
+    device = _device(positions)
+    half = xp.arange(0, head_dim, 2, dtype=dtype, device=device)
+    inv_freq = 1.0 / (base ** (half / head_dim))
+    angles = xp.astype(positions, dtype)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
+    angles = xp.concat([angles, angles], axis=-1)[:, :, None, :]
+    return xp.cos(angles), xp.sin(angles)
+
+
+def rotate(x, cos, sin):
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by the angles ``(cos, sin)`` (half-split)."""
+    xp = array_namespace(x)
+    h = x.shape[-1] // 2
+    turned = xp.concat([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos + turned * sin
+
+
+def attend(q, seen_k, seen_v, mask):
+    """Grouped-query attention of ``q`` over ``seen`` keys and values under ``mask``.
+
+    ``q`` is ``[batch, seq, heads, head_dim]``. Without a selection ``seen_*`` are
+    ``[batch, context, kv_heads, head_dim]`` and ``mask`` is ``[batch, seq, context]``; under a
+    selection they are ``[batch, seq, k, kv_heads, head_dim]`` and ``[batch, seq, k]``. The mask is
+    the same for every head. A query that sees no column gets an output of exactly zero: the
+    softmax is taken over the seen columns only, with its maximum and its sum guarded.
+    """
+    xp = array_namespace(q, seen_k, seen_v, mask)
+    b, s, heads, d = q.shape
+    kv = seen_k.shape[-2]
+    g = heads // kv
+    scale = 1.0 / math.sqrt(d)
+    if seen_k.ndim == 4:
+        # [b, kv, g * s, d] @ [b, kv, d, c] -> [b, kv, g, s, c]
+        qh = xp.reshape(xp.permute_dims(xp.reshape(q, (b, s, kv, g, d)), (0, 2, 3, 1, 4)),
+                        (b, kv, g * s, d))
+        kt = xp.permute_dims(seen_k, (0, 2, 3, 1))
+        vh = xp.permute_dims(seen_v, (0, 2, 1, 3))
+        c = kt.shape[-1]
+        scores = xp.reshape(qh @ kt, (b, kv, g, s, c)) * scale
+        m = mask[:, None, None, :, :]
+        weights = _masked_softmax(xp, scores, m)
+        out = xp.reshape(xp.reshape(weights, (b, kv, g * s, c)) @ vh, (b, kv, g, s, d))
+        out = xp.permute_dims(out, (0, 3, 1, 2, 4))  # [b, s, kv, g, d]
+    else:
+        # per token: [b, s, kv, g, d] @ [b, s, kv, d, k] -> [b, s, kv, g, k]
+        qh = xp.reshape(q, (b, s, kv, g, d))
+        kt = xp.permute_dims(seen_k, (0, 1, 3, 4, 2))
+        vh = xp.permute_dims(seen_v, (0, 1, 3, 2, 4))
+        scores = (qh @ kt) * scale
+        m = mask[:, :, None, None, :]
+        weights = _masked_softmax(xp, scores, m)
+        out = weights @ vh  # [b, s, kv, g, d]
+    return xp.reshape(out, (b, s, heads * d))
+
+
+def _masked_softmax(xp, scores, mask):
+    any_seen = xp.any(mask, axis=-1, keepdims=True)
+    top = xp.max(xp.where(mask, scores, -xp.inf), axis=-1, keepdims=True)
+    top = xp.where(any_seen, top, 0.0)
+    e = xp.where(mask, xp.exp(scores - top), 0.0)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    return e / xp.where(total > 0, total, 1.0)
+
+
+def layer(p, config: Config, x, cos, sin, index, pools, donate=False):
+    """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
+    one matrix product): returns ``(x, (k_pool, v_pool))``."""
+    xp = array_namespace(x)
+    c = config
+    b, s = cos.shape[0], cos.shape[1]
+    h = rms_norm(x, p["attn_norm"], c.eps)
+    q = xp.reshape(h @ p["wq"], (b, s, c.heads, c.head_dim))
+    k = xp.reshape(h @ p["wk"], (b, s, c.kv_heads, c.head_dim))
+    v = xp.reshape(h @ p["wv"], (b, s, c.kv_heads, c.head_dim))
+    q = rotate(q, cos, sin)
+    k = rotate(k, cos, sin)
+    kpool, vpool = pools
+    seen_k, kpool = index.extend(k, kpool, donate=donate)
+    seen_v, vpool = index.extend(v, vpool, donate=donate)
+    o = attend(q, seen_k, seen_v, index.mask())
+    x = x + xp.reshape(o, (b * s, c.heads * c.head_dim)) @ p["wo"]
+    h = rms_norm(x, p["ffn_norm"], c.eps)
+    x = x + (_silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x, (kpool, vpool)
+
+
+def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False):
+    """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
+
+    ``pools`` holds one ``(k_pool, v_pool)`` per layer, each ``[slots, kv_heads, head_dim]``
+    (:func:`empty_pools`); on an index that keeps nothing (``cacheidx.whole``) pass any pools, they
+    come back as they were. With ``donate=True`` the pools are given up to ``index.extend``, which
+    may write into their memory. With ``last=True`` only the last token's logits are computed
+    (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
+    """
+    xp = array_namespace(tokens, params["embed"])
+    c = config
+    b, s = tokens.shape
+    embed = params["embed"]
+    x = xp.take(embed, xp.reshape(tokens, (-1,)), axis=0)  # [batch * seq, dim]
+    cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype)
+    out = []
+    for p, pool in zip(params["layers"], pools, strict=True):
+        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate)
+        out.append(pool)
+    if last:
+        x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
+        s = 1
+    x = rms_norm(x, params["norm"], c.eps)
+    head = params["out"] if not c.tied else xp.matrix_transpose(embed)
+    logits = x @ head
+    return xp.reshape(logits, (b, s, logits.shape[-1])), out
