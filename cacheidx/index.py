@@ -383,7 +383,7 @@ class CacheIndex:
         if self.draft_slots is not None:  # columns before the least position, within reach
             big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
             least = xp.min(xp.where(self._valid, self.pos, big), axis=1, keepdims=True)
-            ok = j < least
+            ok = (j < least) & (least < big)  # a lane of padding has no least position
             return ok if w is None else ok & (j > least - w)
         stand = stands(j, self.block)
         if w is None:

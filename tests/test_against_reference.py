@@ -10,7 +10,6 @@ of seen that read one.
 import os
 
 import numpy as np
-import pytest
 import reference
 from hypothesis import HealthCheck, given, settings
 from strategies import build, cases
@@ -18,13 +17,6 @@ from strategies import build, cases
 import cacheidx as ci
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-# A disagreement found, the core's: remove the marks when it is mended.
-DRAFT_BUG = (
-    "cacheidx: under a draft, a lane with no valid token (its row is -1, or all its positions "
-    "are padding) reads the table's columns instead of zero (notes/decisions.md 5 and 7): "
-    "make([[0]], [[0]], row=[-1]).draft([[4]], [[[False]]]).extend(...) reads slot 0"
-)
 
 law = settings(
     max_examples=2000 if CI else 200,
@@ -88,7 +80,6 @@ def test_extend_seen_is_zero_wherever_no_token_sees(case):
     seen_agrees(case)
 
 
-@pytest.mark.xfail(strict=True, reason=DRAFT_BUG)
 @law
 @given(case=cases(kinds=("make", "rows"), drafts=True))
 def test_extend_seen_under_a_draft_is_the_table_then_the_tokens(case):

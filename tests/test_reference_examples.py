@@ -226,10 +226,7 @@ def test_a_draft_keeps_the_window(api):
     same(d.advance().mask(), [[[F, F, F, T]]])
 
 
-def test_a_draft_lane_that_sees_nothing_reads_zero(api, request):
-    if api is not reference:
-        why = "cacheidx reads the table for a draft lane that sees nothing (decisions 5, 7)"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=why))
+def test_a_draft_lane_that_sees_nothing_reads_zero(api):
     # lane 0's row is -1 (padding throughout); lane 1 holds only padding: neither sees a
     # column, so every column of theirs reads zero, whatever the table names
     ix = api.make(i64([[0], [-1]]), i64([[0, 1], [2, 3]]), row=i64([-1, 1]))

@@ -5,6 +5,7 @@ suite (or a third-party adapter's) run the same laws under its own test runner.
 """
 
 from . import laws as _laws  # noqa: F401  (registers the laws)
+from . import model as _model  # noqa: F401  (registers the model-level laws)
 from .suite import LAWS, Case, Law, agree, law
 
 __all__ = ["LAWS", "Case", "Law", "agree", "law"]

@@ -96,8 +96,9 @@ class Case:
         except Exception:
             return np.from_dlpack(x)
 
-    def call(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)``; compiled, it runs eagerly too, and the two must agree bit for bit."""
+    def call(self, fn: Callable, *args: Any, tol: float = 0.0) -> Any:
+        """``fn(*args)``; compiled, it runs eagerly too, and the two must agree bit for bit
+        (within ``tol`` for a model, whose compiled matmuls may reassociate)."""
         eager = fn(*args)
         if not self.compiled:
             return eager
@@ -105,18 +106,21 @@ class Case:
         if jitted is None:
             jitted = self._jitted[fn] = self.backend.jit(fn)
         compiled = jitted(*args)
-        agree(self, eager, compiled, what=getattr(fn, "__name__", "step"))
+        agree(self, eager, compiled, what=getattr(fn, "__name__", "step"), tol=tol)
         return compiled
 
 
-def agree(case: Case, a: Any, b: Any, *, what: str = "step") -> None:
-    """Eager and compiled results are equal bit for bit (NaN where NaN)."""
+def agree(case: Case, a: Any, b: Any, *, what: str = "step", tol: float = 0.0) -> None:
+    """Eager and compiled results are equal bit for bit (NaN where NaN), or within ``tol``."""
     if isinstance(a, tuple | list):
         assert len(a) == len(b), f"{what}: {len(a)} eager outputs, {len(b)} compiled"
         for x, y in zip(a, b):
-            agree(case, x, y, what=what)
+            agree(case, x, y, what=what, tol=tol)
         return
     x, y = case.numpy(a), case.numpy(b)
     assert x.shape == y.shape, f"{what}: eager shape {x.shape}, compiled {y.shape}"
-    same = np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+    if tol and x.dtype.kind == "f":
+        same = np.allclose(x, y, rtol=tol, atol=tol, equal_nan=True)
+    else:
+        same = np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
     assert same, f"{what}: eager and compiled results differ\neager={x}\ncompiled={y}"
