@@ -25,6 +25,11 @@ class Law:
     fn: Callable[[Case], None]
     doc: str
     eager_only: bool = False
+    compiled_only: bool = False
+
+    def runs(self, compiled: bool) -> bool:
+        """Whether the law has something to check eagerly, or compiled."""
+        return not (self.eager_only and compiled or self.compiled_only and not compiled)
 
     def __call__(self, case: Case) -> None:
         self.fn(case)
@@ -33,13 +38,14 @@ class Law:
 LAWS: list[Law] = []
 
 
-def law(fn: Callable | None = None, *, eager_only: bool = False) -> Any:
+def law(fn: Callable | None = None, *, eager_only: bool = False,
+        compiled_only: bool = False) -> Any:
     """Register a law; its name is the function's, less ``law_``; its doc the docstring's
     first line."""
 
     def register(f: Callable) -> Callable:
         doc = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
-        LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only))
+        LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only, compiled_only))
         return f
 
     return register(fn) if fn is not None else register
@@ -52,6 +58,8 @@ class Case:
     backend: backends.Backend
     device: Any = None
     compiled: bool = False
+    #: what a law measured beside passing (compile counts, donation), for the report
+    facts: dict = dataclasses.field(default_factory=dict)
     _jitted: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property

@@ -1,0 +1,134 @@
+"""The registry and the adapters' one operation: scatter with drop, on every backend."""
+
+import subprocess
+import sys
+import types
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+
+import cacheidx as ci
+from cacheidx.backends import Backend
+from cacheidx.backends.cupy import CupyBackend
+
+
+def huge(backend) -> int:
+    info = backend.xp.__array_namespace_info__().default_dtypes()["integral"]
+    return 2**40 if backend.xp.iinfo(info).bits == 64 else 2**31 - 1
+
+
+def test_scatter_drops_every_slot_outside_the_pool(backend):
+    """-1, the pool's size, a huge slot and other negatives store nothing; a kept store beside
+    them is exact, at slot 0 included (where a naive redirect would clobber it)."""
+    xp = backend.xp
+    pool = xp.asarray(np.arange(8, dtype=np.float32).reshape(4, 2))
+    slots = xp.asarray(np.array([-1, 4, huge(backend), -7, 0, 2]))
+    rows = xp.asarray(np.full((6, 2), 50, np.float32) + np.arange(6, dtype=np.float32)[:, None])
+    out = np.asarray(ci.conformance.Case(backend).numpy(backend.scatter(pool, slots, rows)))
+    want = np.arange(8, dtype=np.float32).reshape(4, 2)
+    want[0], want[2] = 54, 55
+    assert np.array_equal(out, want)
+
+
+def test_scatter_with_every_store_dropped_keeps_the_pool(backend):
+    xp = backend.xp
+    before = np.arange(8, dtype=np.float32).reshape(4, 2)
+    slots = xp.asarray(np.array([-1, 4, huge(backend)]))
+    out = backend.scatter(xp.asarray(before), slots, xp.asarray(np.ones((3, 2), np.float32)))
+    assert np.array_equal(ci.conformance.Case(backend).numpy(out), before)
+
+
+def test_gather_reads_zero_where_not_ok_whatever_the_slot_holds(backend):
+    xp = backend.xp
+    pool = xp.asarray(np.array([[np.nan], [1.0], [2.0]], np.float32))
+    got = backend.gather(pool, xp.asarray(np.array([0, 1, 2, 0])),
+                         xp.asarray(np.array([False, True, True, False])))
+    assert np.array_equal(ci.conformance.Case(backend).numpy(got), [[0.0], [1.0], [2.0], [0.0]])
+
+
+def test_every_builtin_adapter_is_an_entry_point():
+    eps = {ep.name: ep.value for ep in entry_points(group="cacheidx.backends")}
+    for name in ("numpy", "strict", "torch", "jax", "cupy"):
+        assert eps[name].startswith(f"cacheidx.backends.{name}:")
+
+
+def test_get_finds_the_adapter_an_array_needs():
+    import array_api_strict
+
+    assert ci.backends.get(np.zeros(2)).name == "numpy"
+    assert ci.backends.get(array_api_strict.zeros(2)).name == "strict"
+    assert ci.backends.get(np).name == "numpy"
+    assert ci.backends.get("array_api_strict").name == "strict"
+    assert set(ci.backends.available()) >= {"numpy", "strict"}
+
+
+@pytest.mark.parametrize("lib, name", [("torch", "torch"), ("jax.numpy", "jax")])
+def test_get_dispatches_framework_arrays(lib, name):
+    mod = pytest.importorskip(lib, reason=f"{lib} is not installed")
+    assert ci.backends.get(mod.zeros(2)).name == name
+    assert ci.backends.get(mod).name == name
+    assert ci.rows(4, [2], xp=mod).backend.name == name
+
+
+def test_the_standard_base_is_a_complete_backend():
+    """Any namespace array-api-compat knows runs on the standard-only base adapter."""
+    import array_api_strict as xp
+
+    base = Backend(xp)
+    ix = ci.make(xp.asarray([[0, 1]]), xp.asarray([[3, 0, 1]]))
+    ix = type(ix)(kind=ix.kind, pos=ix.pos, table=ix.table, backend=base)
+    seen, pool = ix.extend(xp.asarray([[[5.0], [6.0]]]), xp.zeros((4, 1)))
+    assert np.array_equal(np.asarray(xp.reshape(pool, (-1,))), [6.0, 0, 0, 5.0])
+    assert np.array_equal(np.asarray(xp.reshape(seen, (-1,))), [5.0, 6.0, 0])
+
+
+def test_use_and_the_environment_pick_the_default_backend():
+    try:
+        ci.use("strict")
+        assert ci.rows(4, [2]).backend.name == "strict"
+    finally:
+        ci.use("numpy")
+    code = "import cacheidx as ci; print(ci.rows(4, [2]).backend.name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "CACHEIDX_BACKEND": "strict"})
+    assert out.stdout.strip() == "strict"
+
+
+# -- CuPy without a device: everything that can be checked here ------------------------------
+def test_cupy_without_a_device_says_why():
+    ok, why = CupyBackend.usable()
+    if ok:
+        pytest.skip("a CUDA device is present: the conformance suite covers cupy")
+    assert why, "cupy is unusable but gives no reason"
+    assert not CupyBackend.owns(np.zeros(2))
+
+
+def test_cupy_adapter_logic_with_numpy_standing_in(monkeypatch):
+    """The adapter's store and read, run with NumPy in CuPy's place: the redirect makes a plain
+    indexed store (which wraps -1 in CuPy) equal a store with drop."""
+    import array_api_compat.numpy as cnp
+
+    fake = types.ModuleType("cupy")
+    fake.take, fake.where, fake.zeros = np.take, np.where, np.zeros
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    backend = CupyBackend(xp=cnp)
+    pool = np.arange(8, dtype=np.float32).reshape(4, 2)
+    out = backend.scatter(pool, np.array([-1, 4, 2**40, 0]), np.full((4, 2), 9, np.float32))
+    want = pool.copy()
+    want[0] = 9
+    assert np.array_equal(out, want) and np.array_equal(pool, np.arange(8).reshape(4, 2))
+    donated = backend.scatter(pool, np.array([1]), np.full((1, 2), 7, np.float32), donate=True)
+    assert donated is pool and pool[1, 0] == 7
+    got = backend.gather(pool, np.array([0, 3]), np.array([True, False]))
+    assert np.array_equal(got, [[0, 1], [0, 0]])
+
+
+def test_the_runner_reports_cuda_rows_as_no_device():
+    from cacheidx.conformance.runner import targets
+
+    rows = targets()
+    cuda = [r for r in rows if r["device"] in ("cuda", "gpu")]
+    for r in cuda:
+        assert r["status"].startswith("no device"), r
+    assert any(r["backend"] == "numpy" and r["status"] == "run" for r in rows)
