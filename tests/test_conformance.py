@@ -1,4 +1,5 @@
-"""The conformance suite's laws, under pytest: each law on each backend, eager and compiled."""
+"""The conformance suite's laws, under pytest: each law on each backend, eager and compiled
+(``cacheidx_case`` comes from cacheidx's pytest plugin)."""
 
 import pytest
 
@@ -6,7 +7,7 @@ from cacheidx.conformance import LAWS
 
 
 @pytest.mark.parametrize("law", LAWS, ids=[law.name for law in LAWS])
-def test_law(law, case):
-    if not law.runs(case.compiled):
+def test_law(law, cacheidx_case):
+    if not law.runs(cacheidx_case.compiled):
         pytest.skip(f"{law.name} checks only {'eager' if law.eager_only else 'compiled'} calls")
-    law(case)
+    law(cacheidx_case)
