@@ -227,6 +227,14 @@ class CacheIndex:
         """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
         return self.xp.max(self._t, axis=1, keepdims=True)
 
+    @property
+    def _least(self) -> Any:
+        """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets
+        the dtype's largest value, which no column stands before."""
+        xp = self.xp
+        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+        return xp.min(xp.where(self._valid, self.pos, big), axis=1, keepdims=True)
+
     def _arange(self, n: int) -> Any:
         return self.xp.arange(n, dtype=self.pos.dtype, device=self.device)
 
@@ -297,12 +305,9 @@ class CacheIndex:
         """Under a draft: the table's columns before the lane's least position, then the
         call's tokens as ``sees`` says; of both only those at or before the token's position
         and within the window."""
-        xp = self.xp
         valid, t, w = self._valid, self.pos, self.window_size
-        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
-        least = xp.min(xp.where(valid, t, big), axis=1, keepdims=True)[:, :, None]
         j = self._arange(int(self.table.shape[1]))[None, None, :]
-        table_part = valid[:, :, None] & (j < least) & sees(j, t[:, :, None], w)
+        table_part = valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
         tail = (valid[:, :, None] & valid[:, None, :] & self.draft_sees
                 & sees(t[:, None, :], t[:, :, None], w))
         return table_part, tail
@@ -381,9 +386,8 @@ class CacheIndex:
         width = int(self._columns_table.shape[1])
         j = self._arange(width)[None, :]
         if self.draft_slots is not None:  # columns before the least position, within reach
-            big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
-            least = xp.min(xp.where(self._valid, self.pos, big), axis=1, keepdims=True)
-            ok = (j < least) & (least < big)  # a lane of padding has no least position
+            least = self._least
+            ok = (j < least) & xp.any(self._valid, axis=1, keepdims=True)
             return ok if w is None else ok & (j > least - w)
         stand = stands(j, self.block)
         if w is None:
