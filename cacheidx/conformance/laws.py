@@ -499,3 +499,44 @@ def law_a_raising_call_changes_nothing(case: Case) -> None:
             assert f"cacheidx.{fn}" in str(e), str(e)
         else:
             raise AssertionError(f"{fn} took a bad argument")
+
+
+@law
+def law_colliding_stores_leave_one_of_them_and_every_other_slot_exact(case: Case) -> None:
+    """Two tokens aimed at one slot (the caller's fault) leave it holding, element by element,
+    one of their stores, eager or compiled; every other slot is exact."""
+    ix = index(case, [[0, 1], [0, 1]], [[0, 1, 2], [3, 1, 4]])
+    before = stored(5, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0})
+    v = ramp(2, 2)
+    step = case.backend.jit(extend) if case.compiled else extend
+    _, pool = step(ix, case.array(v), case.array(before))
+    got = case.numpy(pool)
+    want = before.copy()
+    want[0], want[3] = v[0, 0], v[1, 0]
+    for s in (0, 2, 3, 4):
+        same(case, got[s], want[s], f"slot {s}")
+    assert np.all((got[1] == v[0, 1]) | (got[1] == v[1, 1])), f"slot 1 holds {got[1]}"
+
+
+@law
+def law_freeing_columns_below_every_reach_changes_nothing(case: Case) -> None:
+    """Under a window, a column below the reach of every token still to be fed may be freed
+    (-1): what the tokens see does not change."""
+    v = ramp(1, 2)
+    before = stored(8, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0, 5: 6.0})
+    kept = index(case, [[6, 7]], [[0, 1, 2, 3, 4, 5, 6, 7]]).window(3)
+    freed = index(case, [[6, 7]], [[-1, -1, -1, -1, 4, 5, 6, 7]]).window(3)
+    a, _ = case.call(extend, kept, case.array(v), case.array(before))
+    b, _ = case.call(extend, freed, case.array(v), case.array(before))
+    same(case, a, case.numpy(b), "seen")
+    same(case, case.call(mask, kept), case.numpy(case.call(mask, freed)), "mask")
+
+
+@law(eager_only=True)
+def law_placing_an_index_keeps_its_values_and_structure(case: Case) -> None:
+    """to_device places every tensor whole on the device; values and structure are kept."""
+    ix = build.rows(4, [2, 3], every=[2], **on(case)).window(2)
+    moved = ix.to_device(case.device)
+    assert moved.structure == ix.structure
+    for a, b in zip(ix.tensors(), moved.tensors()):
+        same(case, b, case.numpy(a), "a placed tensor")

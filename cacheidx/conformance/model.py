@@ -198,3 +198,50 @@ def law_packing_gives_each_sequence_the_outputs_it_has_alone(case: Case) -> None
     got = case.numpy(logits)[0]
     close(case, got[1:4], alone(case, params, a), "first sequence")
     close(case, got[4:], alone(case, params, b), "second sequence")
+
+
+@law
+def law_selecting_every_column_in_order_changes_no_output(case: Case) -> None:
+    """A selection of all the columns, in order, for every token gives the logits of no
+    selection: each token reads the columns it would read anyway."""
+    ids = prompt(6)
+    params, pools = setup(case, 8)
+    ix = build.rows(8, [6], **on(case))
+    cols = case.array(np.broadcast_to(np.arange(8), (1, 6, 8)).copy())
+    logits, _ = case.call(run, params, tokens(case, ids), ix.select(cols), pools, tol=TOL)
+    close(case, case.numpy(logits)[0], alone(case, params, ids), "select")
+
+
+@law
+def law_a_verified_draft_tree_equals_decoding_each_path(case: Case) -> None:
+    """A tree of draft tokens verified in one call gives each token the logits of its path
+    decoded one by one; keeping a path by naming its slots in the next table continues it."""
+    ids, guess = prompt(4), prompt(4, seed=11)
+    parent = [-1, 0, 0, 1]  # token 0 at 4; tokens 1, 2 at 5 (children of 0); token 3 at 6
+    depth = [0, 1, 1, 2]
+    sees = np.zeros((1, 4, 4), bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            sees[0, i, j], j = True, parent[j]
+    params, pools = setup(case, 16)
+    table = list(range(4)) + [-1] * 8
+    _, pools = case.call(run, params, tokens(case, ids), index(case, [[0, 1, 2, 3]], [table]),
+                         pools, tol=TOL)
+    draft = index(case, [[4 + d for d in depth]], [table]).draft(
+        case.array([[12, 13, 14, 15]]), case.array(sees))
+    logits, pools = case.call(run, params, tokens(case, guess), draft, pools, tol=TOL)
+    got = case.numpy(logits)[0]
+    for i in range(4):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, guess[j])
+            j = parent[j]
+        close(case, got[i], alone(case, params, ids + path)[-1], f"draft token {i}")
+    # keep the path 0 -> 1 -> 3: its slots go into the table at its positions
+    kept = table[:4] + [12, 13, 15] + [-1] * 5
+    nxt = int(np.argmax(got[3]))
+    ix = index(case, [[7]], [kept[:7] + [6] + [-1] * 4])
+    logits, _ = case.call(run, params, tokens(case, [nxt]), ix, pools, tol=TOL)
+    path = ids + [guess[0], guess[1], guess[3], nxt]
+    close(case, case.numpy(logits)[0, 0], alone(case, params, path)[-1], "after the kept path")
