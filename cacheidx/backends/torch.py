@@ -1,7 +1,15 @@
-"""PyTorch: static-shape scatter with drop, in place when donated; ``torch.compile``."""
+"""PyTorch: static-shape scatter with drop, in place when donated; ``torch.compile``.
+
+Every operation here keeps shapes static and never reads a tensor's value on the host (no
+boolean indexing, no ``.item()``), so one compiled graph serves every position and table and
+``torch.compile(fullgraph=True)`` sees no break. torch raises on an index outside a tensor and
+wraps ``-1``; none of that reaches the user: stores go through
+:func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,13 +24,24 @@ class TorchBackend(Backend):
     #: the torch.compile backend ``jit`` uses; the conformance suite sets it per run
     compiler = "inductor"
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # pickles (torch.export.save keeps example inputs) as the registry's instance, not
+        # its cached namespace module
+        from . import get
+
+        return get, (self.name,)
+
     def namespace(self) -> Any:
         import array_api_compat.torch
 
         return array_api_compat.torch
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
-        # torch raises on an outside index and wraps -1: give it targets it cannot misread
+        """One indexed store of the tokens' rows. A store outside the pool is sent where it
+        repeats a store that happens anyway (``redirect_dropped``), so it can neither raise,
+        wrap ``-1`` to the last slot, nor clobber a real write at slot 0. Donated, the rows go
+        into the caller's storage (``index_put_``; compiled by inductor, a store into the input
+        buffer): the cost is in the tokens, never in the slots. Otherwise the pool is copied."""
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
         target, rows = redirect_dropped(self.xp, pool, slots, rows)
@@ -31,17 +50,33 @@ class TorchBackend(Backend):
         return pool.index_put((target,), rows)
 
     def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
+        """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere. Compiled, an index
+        select under a ``where``, which inductor fuses into one gated load. Eager, the select
+        into a buffer with one spare row, then the rows not read filled with zero by index
+        (``index_fill_``): the zeros are written once and nothing is read back, where a
+        ``where`` or ``masked_fill_`` would make a second pass over every row. Where autograd
+        records (values of a training step through a whole index), the ``where``, which it
+        can differentiate."""
         import torch
 
+        n = slots.shape[0]
         if pool.shape[0] == 0:
-            return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
-        got = pool.index_select(0, torch.where(ok, slots, 0))
-        return torch.where(expand(self.xp, ok, pool.ndim), got, 0)
+            return pool.new_zeros((n, *pool.shape[1:]))
+        safe = torch.where(ok, slots, 0)
+        if torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled()):
+            return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe), 0)
+        out = pool.new_empty((n + 1, *pool.shape[1:]))
+        torch.index_select(pool, 0, safe, out=out[:n])
+        rows = torch.arange(n, device=slots.device)
+        return out.index_fill_(0, torch.where(ok, n, rows), 0)[:n]  # rows read: the spare
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
+        """``torch.compile(fn, fullgraph=True, dynamic=False)`` with ``compiler`` as its backend.
+        Static shapes: a step compiles once per shape and structure, never per value. Donation
+        is torch's default: a compiled step mutates what it is handed, as eager does, so
+        ``donate_argnums`` has nothing to add."""
         import torch
 
-        # donation is torch's default: a compiled step mutates the tensors it is handed
         return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False)
 
     def to_device(self, x: Any, device: Any) -> Any:
@@ -58,16 +93,58 @@ class TorchBackend(Backend):
             found += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return found
 
+    def programs(self, jitted: Callable) -> int | None:
+        # dynamo's counters run from the last forget(): count graphs since then
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def forget(self) -> None:
+        import torch
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        return after.data_ptr() == before.data_ptr()
+
     def register(self, cls: type) -> None:
+        """``cls`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
+        the spec's walk paths, which ``torch.export`` needs), the structure and backend its
+        context, which serialises as JSON so that ``torch.export.save`` takes it."""
         import torch.utils._pytree as pytree
 
-        from ..index import _flatten, _unflatten
+        from ..index import _flatten, _leaf_names, _unflatten
 
         if cls in pytree.SUPPORTED_NODES:
             return
+
+        def flatten_with_keys(index: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            leaves, static = _flatten(index)
+            keys = [pytree.MappingKey(name) for name in _leaf_names(static[0])]
+            return list(zip(keys, leaves, strict=True)), static
+
         pytree.register_pytree_node(
             cls,
             _flatten,
             lambda leaves, static: _unflatten(static, leaves),
             serialized_type_name="cacheidx.CacheIndex",
+            to_dumpable_context=_dump_context,
+            from_dumpable_context=_load_context,
+            flatten_with_keys_fn=flatten_with_keys,
         )
+
+
+def _dump_context(static: tuple[Any, Backend]) -> str:
+    structure, backend = static
+    return json.dumps({"structure": structure._asdict(), "backend": backend.name})
+
+
+def _load_context(text: str) -> tuple[Any, Backend]:
+    from ..index import Structure
+    from . import get
+
+    d = json.loads(text)
+    s = d["structure"]
+    return Structure(**{**s, "blocks": tuple(s["blocks"])}), get(d["backend"])

@@ -1,0 +1,608 @@
+"""The torch backend: scatter with drop, donation, pytrees, torch.compile and torch.export,
+compile counts, and attention (SDPA and FlexAttention) under an index's masks.
+
+The generic laws run on torch in the conformance suite (cacheidx/conformance); what is here is
+what only torch has. Compiled runs use ``fullgraph=True`` (a graph break fails the test) and
+``dynamic=False``; most use ``aot_eager`` or a counting backend, a few ``inductor``, which
+takes seconds per compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the torch backend and these tests need PyTorch")
+
+import reference  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from strategies import HUGE, build, cases  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+import cacheidx as ci  # noqa: E402
+
+BACKEND = ci.backends.get("torch")
+T = torch.tensor
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test starts with no compiled code and zeroed counters."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn, backend="aot_eager"):
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+def run(fn, mode):
+    """``fn`` eagerly (mode "eager") or compiled by the torch.compile backend ``mode``."""
+    return fn if mode == "eager" else compiled(fn, mode)
+
+
+def same(got, want):
+    """Equal shapes, dtypes and elements, NaN equal to NaN."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got, want)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def store(pool, slots, rows, *, donate=False):
+    return BACKEND.scatter(pool, slots, rows, donate=donate)
+
+
+# -- scatter with drop ---------------------------------------------------------------------------
+
+DROPPED = [-1, 6, 7, HUGE, -2, -6, -HUGE, 2**62]  # for a pool of 6 slots: all address nothing
+
+
+def pool_of(n=6, width=3, dtype=torch.float32):
+    return (-1 - torch.arange(n * width)).reshape(n, width).to(dtype)
+
+
+def rows_of(k, width=3, dtype=torch.float32):
+    return (10 + torch.arange(k * width)).reshape(k, width).to(dtype)
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_store_outside_the_pool_is_dropped(mode, donate):
+    pool = pool_of()
+    want = pool.clone()
+    got = run(lambda p, s, r: store(p, s, r, donate=donate), mode)(
+        pool, T(DROPPED), rows_of(len(DROPPED)))
+    same(got, want)
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("slots", [
+    [-1, 0, HUGE, 3],        # a dropped row before a real write at slot 0
+    [HUGE, -1, 5, -2, 0],    # the first kept row is not at slot 0; slot 0 written last
+    [0, -1, -HUGE, 7, 2],    # the first kept row is at slot 0
+    [4, 2**62, -6, 1],       # slot 0 untouched
+])
+def test_a_dropped_row_never_clobbers_a_kept_one(mode, donate, slots):
+    pool, rows = pool_of(), rows_of(len(slots))
+    want = pool.clone()
+    for i, s in enumerate(slots):
+        if 0 <= s < 6:
+            want[s] = rows[i]
+    same(run(lambda p, s, r: store(p, s, r, donate=donate), mode)(pool, T(slots), rows), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
+                                   torch.int8, torch.bool])
+@pytest.mark.parametrize("row", [(), (2, 3)])
+def test_scatter_with_drop_is_exact_for_every_dtype_and_row_shape(dtype, row):
+    width = int(np.prod(row, dtype=int))
+    pool, rows = pool_of(6, width), rows_of(5, width)
+    if dtype == torch.bool:
+        pool, rows = pool < -10, rows > 0
+    pool, rows = pool.reshape(6, *row).to(dtype), rows.reshape(5, *row).to(dtype)
+    want = pool.clone()
+    want[2], want[0] = rows[1], rows[3]
+    same(store(pool, T([-1, 2, HUGE, 0, -3]), rows), want)
+
+
+def test_a_store_of_nothing_leaves_a_nan_at_slot_0_as_it_was():
+    pool = pool_of()
+    pool[0] = torch.nan
+    before = pool.clone()
+    same(store(pool, T([-1, HUGE]), rows_of(2), donate=True), before)
+
+
+def test_scatter_with_drop_under_inductor():
+    """Inductor checks its indirect indices; the redirected targets pass those checks."""
+    step = compiled(lambda p, s, r: store(p, s, r, donate=True), "inductor")
+    for slots in ([-1, 0, HUGE, 3], [HUGE, -1, -2, -HUGE]):
+        pool, rows = pool_of(), rows_of(4)
+        want = pool.clone()
+        for i, s in enumerate(slots):
+            if 0 <= s < 6:
+                want[s] = rows[i]
+        same(step(pool, T(slots), rows), want)
+        same(pool, want)  # donated: written into the caller's tensor
+
+
+# -- donation ------------------------------------------------------------------------------------
+
+def decode_index():
+    """Four lanes decoding one token each: three store (at slots 2, 5 and 0), one is at a hole
+    of its table and stores nothing, just before the store at slot 0."""
+    return ci.make(T([[3], [1], [2], [0]]),
+                   T([[4, 7, 6, 2, -1], [1, 5, -1, -1, 3], [HUGE, -2, -1, -1, -1],
+                      [0, -1, -1, -1, -1]]))
+
+
+WRITTEN, UNTOUCHED = [2, 5, 0], [1, 3, 4, 6, 7]
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+def test_donate_writes_into_the_callers_storage(mode):
+    index, pool, values = decode_index(), pool_of(8), rows_of(4).reshape(4, 1, 3)
+    ptr, version, before = pool.data_ptr(), pool._version, pool.clone()
+    step = run(lambda ix, v, p: ix.extend(v, p, donate=True), mode)
+    seen, out = step(index, values, pool)
+    assert out.data_ptr() == ptr and pool.data_ptr() == ptr
+    assert pool._version > version
+    same(pool[WRITTEN], values[[0, 1, 3], 0])
+    same(pool[UNTOUCHED], before[UNTOUCHED])
+    same(out, pool)
+    same(seen[3, 0], values[3, 0])  # the call's own store, read back
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+def test_without_donate_the_callers_pool_is_never_changed(mode):
+    index, pool, values = decode_index(), pool_of(8), rows_of(4).reshape(4, 1, 3)
+    before, version = pool.clone(), pool._version
+    step = run(lambda ix, v, p: ix.extend(v, p), mode)
+    seen, out = step(index, values, pool)
+    same(pool, before)
+    assert pool._version == version
+    assert out.data_ptr() != pool.data_ptr()
+    same(out[WRITTEN], values[[0, 1, 3], 0])
+    same(out[UNTOUCHED], before[UNTOUCHED])
+
+
+# -- torch eager against the reference, on random indices ------------------------------------
+
+class TorchCtors:
+    """cacheidx's constructors taking a case's NumPy arrays as torch tensors."""
+
+    @staticmethod
+    def make(pos, table, row=None, every=None):
+        return ci.make(torch.from_numpy(pos), torch.from_numpy(table),
+                       row=None if row is None else torch.from_numpy(row),
+                       every=None if every is None else [(m, torch.from_numpy(b))
+                                                         for m, b in every])
+
+    @staticmethod
+    def rows(context, lens, every=()):
+        return ci.rows(context, lens, every=every, xp="torch")
+
+    @staticmethod
+    def whole(batch, seq, lens=None):
+        return ci.whole(batch, seq, lens=lens, xp="torch")
+
+    @staticmethod
+    def packed(seq, lens):
+        return ci.packed(seq, lens, xp="torch")
+
+
+def on_torch(case):
+    ops = tuple((name, tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+                             for a in args)) for name, args in case.ops)
+    return build(TorchCtors, dataclasses.replace(case, ops=ops))
+
+
+def exactly(got, want, unsure=None):
+    got = got.numpy() if got.dtype != torch.bool else got.numpy().astype(bool)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.dtype, want.dtype)
+    if unsure is not None:
+        got, want = got[~unsure], want[~unsure]
+    assert np.array_equal(got, want, equal_nan=want.dtype.kind == "f"), f"\n{got}\n{want}"
+
+
+@settings(max_examples=150 if os.environ.get("CI") else 60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_eager_torch_agrees_with_numpy(case):
+    """The adapter's scatter and gather against NumPy's, on random indices: holes, slots past
+    the pool, 2**40, negatives, NaN in slots no token may read. (The core against the slow
+    reference is tests/test_against_reference.py's; the reference here only says which
+    entries two stores at one slot leave unspecified.)"""
+    index, ref = on_torch(case), build(ci, case)
+    exactly(index.positions(), ref.positions())
+    exactly(index.mask(), ref.mask())
+    want_seen, want_pool = ref.extend(case.values, case.pool.copy())
+    unsure_seen, unsure_pool = build(reference, case).unsure(len(case.pool))
+    for donate in (False, True):
+        pool = torch.from_numpy(case.pool.copy())
+        seen, out = index.extend(torch.from_numpy(case.values), pool, donate=donate)
+        exactly(seen, want_seen, unsure_seen)
+        exactly(out, want_pool, unsure_pool)
+        exactly(pool, want_pool if donate else case.pool, unsure_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.bool])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_seen_is_exact_for_every_dtype_and_layout(dtype, layout):
+    """Eager reads take one path for contiguous floating pools on the CPU and another for the
+    rest; both read the same rows and zero the same columns."""
+    index = ci.make(T([[2], [0]]), T([[3, -1, 0, 6], [4, 5, HUGE, 2]])).window(2)
+    full = (torch.arange(7 * 2 * 4).reshape(7, 2, 4) % 5).to(dtype)
+    pool = full if layout == "contiguous" else full.transpose(1, 2).contiguous().transpose(1, 2)
+    values = torch.ones(2, 1, 2, 4).to(dtype)
+    seen, _ = index.extend(values, pool.clone())
+    zero = torch.zeros(2, 4, dtype=dtype)
+    want = torch.stack([torch.stack([zero, zero, values[0, 0], zero]),
+                        torch.stack([values[1, 0], zero, zero, zero])])
+    same(seen, want)
+
+
+def test_seen_is_differentiable_through_a_whole_index():
+    """A training step reads its values through a whole index; gradients flow to the values
+    each token sees and nowhere else."""
+    index = ci.packed(4, [[2, 1], [3]], xp="torch")
+    values = torch.arange(8.0).reshape(2, 4, 1).requires_grad_()
+    seen, _ = index.extend(values, torch.zeros(1, 1))
+    seen.sum().backward()
+    same(values.grad, index._valid[..., None].to(values.dtype))
+
+
+# -- pytrees, torch.compile and torch.export ----------------------------------------------------
+
+def kinds():
+    """One index of each kind a layer meets, with its values and pool (no NaN: compiled and
+    eager results are compared with NaN unequal)."""
+    rows_w = ci.rows(8, [3, 5], xp="torch").window(3)
+    blocks = ci.rows(12, [7, 10], every=[4], xp="torch").every(4)
+    select = ci.rows(8, [3, 5], xp="torch").select(T([[[0, 2]] * 5, [[4, 9], [1, -1], [3, 3],
+                                                                     [0, 4], [2, HUGE]]]))
+    draft = ci.make(T([[4, 5, 5], [-1, 2, 3]]),
+                    T([[0, 1, 2, 3, -1, -1], [6, 7, -1, -1, -1, -1]])).draft(
+        T([[20, 21, -1], [HUGE, 24, 25]]),
+        T([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [0, 1, 0], [0, 1, 1]]]).bool())
+    row_map = ci.make(T([[3, 4], [-1, 0], [5, 6]]),
+                      T([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, -1, 30, HUGE, -2]]),
+                      row=T([0, 1, -1]))
+    found = {
+        "rows+window": (rows_w, 16),
+        "blocks": (blocks, 6),
+        "select": (select, 16),
+        "draft": (draft, 26),
+        "row map": (row_map, 12),
+        "whole": (ci.whole(2, 5, lens=[3, 5], xp="torch").every(2), 1),
+        "packed": (ci.packed(6, [[2, 3], [1, 1, 4]], xp="torch").window(2), 1),
+    }
+    out = {}
+    for name, (index, slots) in found.items():
+        values = (100 + torch.arange(index.batch * index.seq * 2.0)).reshape(
+            index.batch, index.seq, 2)
+        out[name] = (index, values, -1 - torch.arange(slots * 2.0).reshape(slots, 2))
+    return out
+
+
+KINDS = kinds()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_pytree_round_trip(name):
+    index = KINDS[name][0]
+    leaves, spec = pytree.tree_flatten(index)
+    assert all(isinstance(x, torch.Tensor) for x in leaves)
+    assert [x.data_ptr() for x in leaves] == [x.data_ptr() for x in index.tensors()]
+    back = pytree.tree_unflatten([x.clone() for x in leaves], spec)
+    assert back.structure == index.structure and back.backend is index.backend
+    same(back.mask(), index.mask())
+    # the context serialises (torch.export.save needs it) and keys name the walk's paths
+    assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(index)[0]]
+    assert all(p.startswith(("['tokens.", "['columns", "['draft.")) for p in paths), paths
+
+
+def step(index, values, pool):
+    seen, pool = index.extend(values, pool, donate=True)
+    return seen, pool, index.mask(), index.visible(), index.positions()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_compiled_equals_eager(name):
+    index, values, pool = KINDS[name]
+    want = step(index, values, pool.clone())
+    got = compiled(step)(index, values, pool.clone())
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rows+window", "draft"])
+def test_inductor_equals_eager_and_writes_in_place(name):
+    index, values, pool = KINDS[name]
+    want = step(index, values, pool.clone())
+    mine = pool.clone()
+    got = compiled(step, "inductor")(index, values, mine)
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+    assert got[1].data_ptr() == mine.data_ptr()
+    same(mine, want[1])
+
+
+def test_backend_jit_compiles_with_its_compiler(monkeypatch):
+    monkeypatch.setattr(BACKEND, "compiler", "aot_eager")
+    index, values, pool = KINDS["blocks"]
+    got = BACKEND.jit(step)(index, values, pool.clone())
+    same(got[0], step(index, values, pool.clone())[0])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+class Step(torch.nn.Module):
+    def forward(self, index, values, pool):
+        seen, pool = index.extend(values, pool)
+        return seen, pool, index.mask()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_takes_an_index(strict):
+    index, values, pool = KINDS["row map"]
+    program = torch.export.export(Step(), (index, values, pool), strict=strict)
+    names = tuple(program.graph_signature.user_inputs)
+    assert names[:3] == ("index_tokens_row", "index_tokens_pos", "index_tokens_table")
+    other = ci.make(T([[7, 8], [0, 1], [-1, 2]]), index.table.flip(1), row=T([1, -1, 0]))
+    for ix in (index, other):
+        for g, w in zip(program.module()(ix, values, pool), Step()(ix, values, pool),
+                        strict=True):
+            same(g, w)
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    same(loaded.module()(other, values, pool)[0], Step()(other, values, pool)[0])
+
+
+# -- compile counts: a tiny decoder --------------------------------------------------------------
+
+class TinyDecoder(torch.nn.Module):
+    """One attention layer whose keys and values live in pools, read through the index."""
+
+    def __init__(self, vocab=11, dim=8, heads=2, context=16):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.where = torch.nn.Embedding(context, dim)  # indexed by index.positions()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, index, tokens, k_pool, v_pool):
+        b, s = tokens.shape
+        x = self.embed(tokens) + self.where(index.positions())
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, -1).unbind(2)
+        k_seen, k_pool = index.extend(k, k_pool, donate=True)  # [b, context, heads, dim]
+        v_seen, v_pool = index.extend(v, v_pool, donate=True)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_seen.transpose(1, 2),
+                                           v_seen.transpose(1, 2), attn_mask=index.visible())
+        return self.out(o.transpose(1, 2).reshape(b, s, -1)), k_pool, v_pool
+
+
+class Counting:
+    """A torch.compile backend that counts compiles and runs the captured graph as is."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def serving(steps, seed=0, lanes=3, rows=4, context=16, slots=64):
+    """Indices of ``steps`` decode steps of a paged server: each step every live lane takes a
+    free slot, chosen at random, for its next position; a sequence that reaches the context or
+    ends at random frees its slots and a new one takes its row, often in another lane; a lane
+    may be padding. Every index has the same shapes; positions, tables, row maps change."""
+    rng = np.random.default_rng(seed)
+    table = np.full((rows, context), -1)
+    length = np.zeros(rows, dtype=int)
+    free = list(rng.permutation(slots))
+    lane_row = np.array([0, 1, 2][:lanes])
+    out = []
+    for _ in range(steps):
+        pos = np.full((lanes, 1), -1)
+        for b, r in enumerate(lane_row):
+            if r < 0:
+                continue
+            table[r, length[r]] = free.pop(rng.integers(len(free)))
+            pos[b, 0] = length[r]
+        out.append(ci.make(T(pos), T(table.copy()), row=T(lane_row.copy())))
+        for b, r in enumerate(lane_row):
+            if r < 0:
+                lane_row[b] = rng.choice([q for q in range(rows) if q not in lane_row])
+                continue
+            length[r] += 1
+            if length[r] == context or rng.random() < 0.08:
+                free += [s for s in table[r] if s >= 0]
+                table[r], length[r] = -1, 0
+                idle = [q for q in range(rows) if q not in lane_row or q == r]
+                lane_row[b] = rng.choice(idle + [-1])
+    return out
+
+
+def tiny_decoder():
+    """(step, fresh pools, vocabulary) of the TinyDecoder above."""
+    torch.manual_seed(0)
+    model = TinyDecoder().eval()
+
+    def step(tokens, index, pools):
+        logits, k_pool, v_pool = model(index, tokens, *pools)
+        return logits, (k_pool, v_pool)
+
+    return step, lambda: (torch.zeros(64, 2, 4), torch.zeros(64, 2, 4)), 11
+
+
+def llama_decoder():
+    """(step, fresh pools, vocabulary) of cacheidx.models.llama's tiny configuration."""
+    llama = pytest.importorskip("cacheidx.models.llama", reason="no Llama forward here")
+    config = llama.Config.tiny()
+    params = llama.random_params(config, xp="torch")
+
+    def step(tokens, index, pools):
+        return llama.forward(params, config, tokens, index, pools, donate=True)
+
+    return step, lambda: llama.empty_pools(config, 64, like=params["embed"]), config.vocab
+
+
+@pytest.mark.parametrize("decoder, compiler", [
+    ("tiny", "counting"),
+    ("llama", "counting"),
+    pytest.param("tiny", "inductor", marks=pytest.mark.slow),
+])
+def test_decoding_64_steps_compiles_once(decoder, compiler):
+    step, fresh, vocab = {"tiny": tiny_decoder, "llama": llama_decoder}[decoder]()
+    counting = Counting()
+    fast = torch.compile(step, backend=counting if compiler == "counting" else compiler,
+                         fullgraph=True, dynamic=False)
+    mine, theirs = fresh(), fresh()
+    tokens = torch.zeros(3, 1, dtype=torch.long)
+    indices = serving(64)
+    assert len({tuple(ix.pos.flatten().tolist()) for ix in indices}) > 10
+    with torch.no_grad():
+        for t, index in enumerate(indices):
+            tokens = (tokens * 7 + t) % vocab
+            want, theirs = step(tokens, index, theirs)
+            got, mine = fast(tokens, index, mine)
+            if compiler == "counting":
+                same(got, want)
+            else:  # fused kernels may round differently; the pools hold copies, exactly
+                torch.testing.assert_close(got, want)
+            for g, w in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs), strict=True):
+                same(g, w)
+    assert counting.compiles == (compiler == "counting")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_a_structural_change_compiles_again_and_only_once():
+    counting = Counting()
+    fast = compiled(step, counting)
+    values, pool = torch.ones(2, 10, 3), torch.zeros(24, 3)
+    base = ci.rows(12, [7, 10], every=[2, 4], xp="torch")
+    structures = [base, base.window(4), base.window(5), base.every(4), base.every(2),
+                  base.every(4).window(4)]
+    for n, index in enumerate(structures, start=1):
+        fast(index, values, pool)
+        assert counting.compiles == n, index
+    for index in structures:  # each structure again, at other positions: no compile
+        fast(dataclasses.replace(index, pos=index.pos.flip(1)), values, pool)
+    assert counting.compiles == len(structures)
+    assert dict(counters["graph_break"]) == {}
+
+
+# -- attention: SDPA and FlexAttention --------------------------------------------------------
+
+MASKED = {name: KINDS[name][0] for name in ("rows+window", "blocks", "draft", "row map",
+                                               "whole", "packed")}
+MASKED["whole, no window"] = ci.whole(3, 5, lens=[3, 5, 0], xp="torch")
+MASKED["blocks+window"] = ci.rows(12, [7, 10], every=[4], xp="torch").every(4).window(5)
+
+
+def attention_inputs(index, heads=2, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(index.batch, heads, index.seq, dim, generator=g)
+    k, v = (torch.randn(index.batch, heads, index.context, dim, generator=g) for _ in "kv")
+    return q, k, v
+
+
+def by_hand(q, k, v, mask):
+    """Softmax attention under a [batch, seq, context] mask, rows that see nothing left NaN."""
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_visible_is_the_attn_mask_of_sdpa(name):
+    """Rows that see something agree with attention by hand under mask(). A row that sees
+    nothing (a padded token) is NaN in SDPA on older torch and zero on recent CPU kernels; its
+    output is unspecified, so only that it is one of the two is checked."""
+    index = MASKED[name]
+    q, k, v = attention_inputs(index)
+    visible = index.visible()
+    assert visible.dtype == torch.bool and visible.shape == (index.batch, 1, index.seq,
+                                                              index.context)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    want = by_hand(q, k, v, index.mask())
+    some = index.mask().any(-1)[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[some], want[some])
+    nothing = got[~some]
+    assert bool((torch.isnan(nothing) | (nothing == 0)).all())
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_flex_mask_mod_equals_mask(name):
+    from torch.nn.attention.flex_attention import create_mask
+
+    from cacheidx import flex
+
+    index = MASKED[name]
+    mod = flex.mask_mod(index)
+    got = create_mask(mod, index.batch, 3, index.seq + 2, index.context + 5, device="cpu")
+    same(got[:, 1, : index.seq, : index.context], index.mask())
+    assert torch.equal(got[:, 0], got[:, 2])  # whatever the head
+    assert not got[:, :, index.seq :].any() and not got[:, :, :, index.context :].any()
+
+
+@pytest.mark.parametrize("name", ["whole, no window", "packed", "rows+window", "blocks+window"])
+def test_flex_attention_under_the_block_mask_equals_sdpa(name):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from cacheidx import flex
+
+    index = MASKED[name]
+    q, k, v = attention_inputs(index)
+    got = flex_attention(q, k, v, block_mask=flex.block_mask(index))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=index.visible())
+    some = index.mask().any(-1)[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[some], want[some])
+
+
+def test_flex_refuses_a_selection_and_other_libraries():
+    from cacheidx import flex
+
+    with pytest.raises(ValueError, match="selects columns"):
+        flex.mask_mod(KINDS["select"][0])
+    with pytest.raises(TypeError, match="torch tensors"):
+        flex.mask_mod(ci.rows(4, [2], xp="numpy"))
+
+
+def test_import_cacheidx_does_not_import_flex():
+    import subprocess
+    import sys
+
+    code = "import sys, cacheidx; assert 'cacheidx.flex' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_benchmark_runs(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "extend_torch.py"
+    spec = importlib.util.spec_from_file_location("extend_torch", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--json", str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text())["ratios"] == result["ratios"]
+    assert {r["what"] for r in result["rows"]} == {"extend", "baseline"}
