@@ -1,0 +1,73 @@
+"""The documentation builds with ``mkdocs build --strict`` (every link, every API reference and
+the generated law list resolve), and ``benchmarks/run_all.py`` writes a performance page from a
+real run.
+
+Needs the ``docs`` extra: ``pip install -e ".[docs]"``; without mkdocs the build test is skipped
+with its reason printed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_docs_build_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]'")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                          str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ,
+                                           "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    site = tmp_path / "site"
+    laws = (site / "conformance" / "index.html").read_text()
+    assert "column_is_position" in laws  # the law list generated from cacheidx.conformance
+    assert 'id="cacheidx.index.CacheIndex.extend"' in (site / "api" / "index.html").read_text()
+    assert (site / "variants" / "draft-tree" / "index.html").exists()
+
+
+FAKE = """
+import argparse, json
+p = argparse.ArgumentParser(); p.add_argument("--json"); a = p.parse_args()
+rows = [{"case": "decode", "batch": 2, "seq": 1, "extend_ms": 1.5, "baseline_ms": 2.0}]
+print("| case | extend (ms) |"); print("|---|---|"); print("| decode | 1.5 |")
+json.dump({"rows": rows}, open(a.json, "w"))
+"""
+
+
+def test_run_all_writes_a_page_of_real_figures(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "extend.py").write_text(FAKE)
+    (bench / "broken.py").write_text("raise SystemExit('no figures today')")
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--dir",
+                          str(bench), "--out", str(page)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr  # broken.py failed
+    assert "[1/6] extend.py" in out.stdout  # progress: 5 known benchmarks and broken.py
+    text = page.read_text()
+    assert "## Machine" in text and "date (UTC)" in text
+    assert "| decode | 1.5 |" in text  # the benchmark's own table
+    assert "`benchmarks/prefix.py` is not in this checkout" in text
+    assert "**This benchmark failed**" in text and "no figures today" in text
+    pngs = list((page.parent / "img").glob("extend-*.png"))
+    assert pngs and all(p.stat().st_size > 1000 for p in pngs)
+    assert f"img/{pngs[0].name}" in text
+
+
+def test_a_missing_benchmark_is_said_missing():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run_all
+
+    text = run_all.page([("decode.py", "decoding", None)], quick=False)
+    assert "`benchmarks/decode.py` is not in this checkout: not measured." in text
+    failed = {"rc": 2, "seconds": 1.0, "output": ["boom"], "data": None, "command": "x"}
+    assert "**This benchmark failed**" in run_all.page([("x.py", "x", failed)], quick=False)
