@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from array_api_compat import array_namespace
 
 __all__ = [
@@ -70,8 +71,6 @@ def random_params(config: Config, *, seed: int = 0, xp=None, device=None, dtype=
 
     Drawn with NumPy from ``seed`` and then converted, so every namespace gets the same numbers.
     """
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     c = config
 
@@ -165,40 +164,42 @@ def _device(x):
     return device(x)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, *, xp=None):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis."""
-    xp = array_namespace(x, weight)
+    xp = xp or array_namespace(x, weight)
     scale = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
     return weight * (x * scale)
 
 
-def _silu(x):
-    xp = array_namespace(x)
+def _silu(x, xp):
     # sigmoid from exp(-|x|), which never overflows
     z = xp.exp(-xp.abs(x))
     return x * xp.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
 
 
-def rotary(positions, head_dim, base, dtype):
-    """``(cos, sin)`` of shape ``[batch, seq, 1, head_dim]`` for the half-split rotary layout."""
-    xp = array_namespace(positions)
-    device = _device(positions)
-    half = xp.arange(0, head_dim, 2, dtype=dtype, device=device)
-    inv_freq = 1.0 / (base ** (half / head_dim))
-    angles = xp.astype(positions, dtype)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
+def rotary(positions, head_dim, base, dtype, *, xp=None):
+    """``(cos, sin)`` of shape ``[batch, seq, 1, head_dim]`` for the half-split rotary layout.
+
+    The frequencies are Python floats (rounded to float32 as transformers computes them), so
+    nothing here names a device: one product per frequency, stacked.
+    """
+    xp = xp or array_namespace(positions)
+    inv = 1.0 / (np.float32(base) ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))
+    p = xp.astype(positions, dtype)
+    angles = xp.stack([p * float(f) for f in inv.astype(np.float32)], axis=-1)
     angles = xp.concat([angles, angles], axis=-1)[:, :, None, :]
     return xp.cos(angles), xp.sin(angles)
 
 
-def rotate(x, cos, sin):
+def rotate(x, cos, sin, *, xp=None):
     """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by the angles ``(cos, sin)`` (half-split)."""
-    xp = array_namespace(x)
+    xp = xp or array_namespace(x)
     h = x.shape[-1] // 2
     turned = xp.concat([-x[..., h:], x[..., :h]], axis=-1)
     return x * cos + turned * sin
 
 
-def attend(q, seen_k, seen_v, mask):
+def attend(q, seen_k, seen_v, mask, *, xp=None):
     """Grouped-query attention of ``q`` over ``seen`` keys and values under ``mask``.
 
     ``q`` is ``[batch, seq, heads, head_dim]``. Without a selection ``seen_*`` are
@@ -207,7 +208,7 @@ def attend(q, seen_k, seen_v, mask):
     the same for every head. A query that sees no column gets an output of exactly zero: the
     softmax is taken over the seen columns only, with its maximum and its sum guarded.
     """
-    xp = array_namespace(q, seen_k, seen_v, mask)
+    xp = xp or array_namespace(q, seen_k, seen_v, mask)
     b, s, heads, d = q.shape
     kv = seen_k.shape[-2]
     g = heads // kv
@@ -245,25 +246,25 @@ def _masked_softmax(xp, scores, mask):
     return e / xp.where(total > 0, total, 1.0)
 
 
-def layer(p, config: Config, x, cos, sin, index, pools, donate=False):
+def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None):
     """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
     one matrix product): returns ``(x, (k_pool, v_pool))``."""
-    xp = array_namespace(x)
+    xp = xp or array_namespace(x)
     c = config
     b, s = cos.shape[0], cos.shape[1]
-    h = rms_norm(x, p["attn_norm"], c.eps)
+    h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
     q = xp.reshape(h @ p["wq"], (b, s, c.heads, c.head_dim))
     k = xp.reshape(h @ p["wk"], (b, s, c.kv_heads, c.head_dim))
     v = xp.reshape(h @ p["wv"], (b, s, c.kv_heads, c.head_dim))
-    q = rotate(q, cos, sin)
-    k = rotate(k, cos, sin)
+    q = rotate(q, cos, sin, xp=xp)
+    k = rotate(k, cos, sin, xp=xp)
     kpool, vpool = pools
     seen_k, kpool = index.extend(k, kpool, donate=donate)
     seen_v, vpool = index.extend(v, vpool, donate=donate)
-    o = attend(q, seen_k, seen_v, index.mask())
+    o = attend(q, seen_k, seen_v, index.mask(), xp=xp)
     x = x + xp.reshape(o, (b * s, c.heads * c.head_dim)) @ p["wo"]
-    h = rms_norm(x, p["ffn_norm"], c.eps)
-    x = x + (_silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
+    x = x + (_silu(h @ p["w_gate"], xp) * (h @ p["w_up"])) @ p["w_down"]
     return x, (kpool, vpool)
 
 
@@ -276,20 +277,21 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     may write into their memory. With ``last=True`` only the last token's logits are computed
     (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
     """
-    xp = array_namespace(tokens, params["embed"])
+    # the index's namespace where it names one (resolved once, outside any compiled step)
+    xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
     c = config
     b, s = tokens.shape
     embed = params["embed"]
     x = xp.take(embed, xp.reshape(tokens, (-1,)), axis=0)  # [batch * seq, dim]
-    cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype)
+    cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
-        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate)
+        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
         s = 1
-    x = rms_norm(x, params["norm"], c.eps)
+    x = rms_norm(x, params["norm"], c.eps, xp=xp)
     head = params["out"] if not c.tied else xp.matrix_transpose(embed)
     logits = x @ head
     return xp.reshape(logits, (b, s, logits.shape[-1])), out
