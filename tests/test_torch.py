@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from strategies import HUGE, build, cases  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import cacheidx as ci  # noqa: E402
+from cacheidx.backends import torch as torch_backend  # noqa: E402
 
 BACKEND = ci.backends.get("torch")
 T = torch.tensor
@@ -227,9 +229,10 @@ def test_eager_torch_agrees_with_numpy(case):
     exactly(index.mask(), ref.mask())
     want_seen, want_pool = ref.extend(case.values, case.pool.copy())
     unsure_seen, unsure_pool = build(reference, case).unsure(len(case.pool))
-    for donate in (False, True):
+    for donate, host in ((False, True), (True, True), (True, False)):
         pool = torch.from_numpy(case.pool.copy())
-        seen, out = index.extend(torch.from_numpy(case.values), pool, donate=donate)
+        with mock.patch.object(torch_backend, "_on_host", lambda *_, h=host: h):
+            seen, out = index.extend(torch.from_numpy(case.values), pool, donate=donate)
         exactly(seen, want_seen, unsure_seen)
         exactly(out, want_pool, unsure_pool)
         exactly(pool, want_pool if donate else case.pool, unsure_pool)
@@ -237,9 +240,11 @@ def test_eager_torch_agrees_with_numpy(case):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.bool])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_seen_is_exact_for_every_dtype_and_layout(dtype, layout):
-    """Eager reads take one path for contiguous floating pools on the CPU and another for the
-    rest; both read the same rows and zero the same columns."""
+@pytest.mark.parametrize("host", [True, False])
+def test_seen_is_exact_for_every_dtype_and_layout(dtype, layout, host, monkeypatch):
+    """Eager reads find the rows to zero on the host on the CPU, and without a value-dependent
+    shape elsewhere (CUDA); both read the same rows and zero the same columns."""
+    monkeypatch.setattr(torch_backend, "_on_host", lambda *_: host)
     index = ci.make(T([[2], [0]]), T([[3, -1, 0, 6], [4, 5, HUGE, 2]])).window(2)
     full = (torch.arange(7 * 2 * 4).reshape(7, 2, 4) % 5).to(dtype)
     pool = full if layout == "contiguous" else full.transpose(1, 2).contiguous().transpose(1, 2)

@@ -50,21 +50,25 @@ class TorchBackend(Backend):
         return pool.index_put((target,), rows)
 
     def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
-        """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere. Compiled, an index
-        select under a ``where``, which inductor fuses into one gated load. Eager, the select
-        into a buffer with one spare row, then the rows not read filled with zero by index
-        (``index_fill_``): the zeros are written once and nothing is read back, where a
-        ``where`` or ``masked_fill_`` would make a second pass over every row. Where autograd
-        records (values of a training step through a whole index), the ``where``, which it
-        can differentiate."""
+        """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere.
+
+        Compiled, or under autograd (the values of a training step through a whole index) or
+        a functorch transform: an index select under a ``where``, which inductor fuses into
+        one gated load. Eager: the select, then only the rows not read filled with zero by index
+        (``index_fill_``), where a ``where`` or ``masked_fill_`` would make a second pass over
+        every row. On the CPU the rows to fill are found on the host (``nonzero``: no device
+        to wait for); elsewhere the select goes into a buffer with one spare row, and every
+        row read names the spare instead, so that no shape depends on a value."""
         import torch
 
         n = slots.shape[0]
         if pool.shape[0] == 0:
             return pool.new_zeros((n, *pool.shape[1:]))
         safe = torch.where(ok, slots, 0)
-        if torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled()):
+        if _traced(pool):
             return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe), 0)
+        if _on_host(pool, ok):
+            return pool.index_select(0, safe).index_fill_(0, torch.nonzero(~ok)[:, 0], 0)
         out = pool.new_empty((n + 1, *pool.shape[1:]))
         torch.index_select(pool, 0, safe, out=out[:n])
         rows = torch.arange(n, device=slots.device)
@@ -148,3 +152,20 @@ def _load_context(text: str) -> tuple[Any, Backend]:
     d = json.loads(text)
     s = d["structure"]
     return Structure(**{**s, "blocks": tuple(s["blocks"])}), get(d["backend"])
+
+
+def _traced(pool: Any) -> bool:
+    """Whether a read must stay one functional expression: under a compiler, where autograd
+    records ``pool``, or under a functorch transform (vmap, grad)."""
+    import torch
+
+    return (torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled())
+            or torch._C._are_functorch_transforms_active())
+
+
+def _on_host(*tensors: Any) -> bool:
+    """Whether a value-dependent shape costs nothing: plain CPU tensors (no fake or functional
+    ones), read eagerly."""
+    import torch
+
+    return all(type(x) is torch.Tensor and x.device.type == "cpu" for x in tensors)
