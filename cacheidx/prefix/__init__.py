@@ -11,6 +11,7 @@ hold the pages with reference counts, and report what sharing saves.
 from .pages import STRATEGIES, PageError, Pages, Simulation, simulate, walk
 from .plan import Plan, plan
 from .report import Report, report
+from .schedule import Schedule, Wave, schedule
 
 __all__ = [
     "STRATEGIES",
@@ -18,9 +19,12 @@ __all__ = [
     "Pages",
     "Plan",
     "Report",
+    "Schedule",
     "Simulation",
     "plan",
     "report",
+    "schedule",
     "simulate",
     "walk",
+    "Wave",
 ]
