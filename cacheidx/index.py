@@ -326,9 +326,9 @@ class CacheIndex:
         if self.kind != "tabled":
             return self._seen_whole(values), pool
         backend, xp = self.backend, self.xp
-        targets = self._store_slots()
+        targets = self._memo("store", lambda: xp.reshape(self._store_slots(), (-1,)))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
-        pool = backend.scatter(pool, xp.reshape(targets, (-1,)), rows, donate=donate)
+        pool = backend.scatter(pool, targets, rows, donate=donate)
         return self._read(pool, values), pool
 
     def _check_extend(self, values: Any, pool: Any) -> None:
@@ -365,19 +365,35 @@ class CacheIndex:
         """Columns of the table read from ``pool``, zero where no token of the lane sees them
         or the slot addresses nothing."""
         xp, n = self.xp, int(pool.shape[0])
-        row = pool.shape[1:]
+        shape, slots, ok = self._memo(("read", n), lambda: self._read_plan(n))
+        got = self.backend.gather(pool, slots, ok)
+        seen = xp.reshape(got, (*shape, *pool.shape[1:]))
+        if self.draft_slots is None:
+            return seen
+        _, tail = self._draft_masks()
+        return xp.concat([seen, self._zero_where(values, xp.any(tail, axis=1))], axis=1)
+
+    def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any, Any]:
+        """The slots a read of a pool of ``n`` slots takes (flat), and where it is not zero."""
+        xp = self.xp
         if self.columns is not None:
             ok = self._sees_columns(self.columns)
             slots = self._lane_lookup(self._lane_table, self.columns, ok)
         else:
             slots, ok = self._lane_table, self._some_token_sees()
         ok = ok & inside(slots, n)
-        got = self.backend.gather(pool, xp.reshape(slots, (-1,)), xp.reshape(ok, (-1,)))
-        seen = xp.reshape(got, (*slots.shape, *row))
-        if self.draft_slots is None:
-            return seen
-        _, tail = self._draft_masks()
-        return xp.concat([seen, self._zero_where(values, xp.any(tail, axis=1))], axis=1)
+        return tuple(slots.shape), xp.reshape(slots, (-1,)), xp.reshape(ok, (-1,))
+
+    def _memo(self, key: Any, make: Any) -> Any:
+        """``make()``, kept on the index for the next pool of the next layer: every layer's
+        extend reads the same slots. Only eagerly: a traced step computes it inside the
+        program, where the compiler shares it."""
+        if self.backend.tracing(self.pos):
+            return make()
+        memo = self.__dict__.setdefault("_memo_", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     def _some_token_sees(self) -> Any:
         """[batch, width]: whether some token of each lane sees each column of the table (the

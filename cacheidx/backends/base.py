@@ -121,6 +121,16 @@ class Backend:
         compiler."""
         return None
 
+    def tracing(self, x: Any) -> bool:
+        """Whether ``x`` is a value being traced by a compiler (not a concrete array)."""
+        return False
+
+    def __reduce__(self) -> Any:
+        # pickles as the registry's instance, never its namespace module
+        from . import get
+
+        return get, (self.name,)
+
     def forget(self) -> None:
         """Drop every compiled program, so that independent suites do not share caches."""
 

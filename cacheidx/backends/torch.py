@@ -24,13 +24,6 @@ class TorchBackend(Backend):
     #: the torch.compile backend ``jit`` uses; the conformance suite sets it per run
     compiler = "inductor"
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        # pickles (torch.export.save keeps example inputs) as the registry's instance, not
-        # its cached namespace module
-        from . import get
-
-        return get, (self.name,)
-
     def namespace(self) -> Any:
         import array_api_compat.torch
 
@@ -96,6 +89,12 @@ class TorchBackend(Backend):
         if torch.cuda.is_available():
             found += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return found
+
+    def tracing(self, x: Any) -> bool:
+        import torch
+
+        return torch.compiler.is_compiling() or isinstance(
+            x, torch._subclasses.fake_tensor.FakeTensor)
 
     def programs(self, jitted: Callable) -> int | None:
         # dynamo's counters run from the last forget(): count graphs since then
