@@ -391,9 +391,14 @@ class CacheIndex:
         if self.backend.tracing(self.pos):
             return make()
         memo = self.__dict__.setdefault("_memo_", {})
-        if key not in memo:
-            memo[key] = make()
-        return memo[key]
+        if key in memo:
+            return memo[key]
+        value = make()
+        # an index closed over by a traced step computes traced values: never keep those
+        parts = value if isinstance(value, tuple) else (value,)
+        if not any(self.backend.tracing(p) for p in parts if hasattr(p, "shape")):
+            memo[key] = value
+        return value
 
     def _some_token_sees(self) -> Any:
         """[batch, width]: whether some token of each lane sees each column of the table (the

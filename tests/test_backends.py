@@ -132,3 +132,14 @@ def test_the_runner_reports_cuda_rows_as_no_device():
     for r in cuda:
         assert r["status"].startswith("no device"), r
     assert any(r["backend"] == "numpy" and r["status"] == "run" for r in rows)
+
+
+def test_an_index_closed_over_by_a_jitted_step_keeps_no_tracer():
+    """An index keeps its slots for the next layer only when they are concrete: one closed
+    over by a traced step must not leak the trace's values."""
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    ix = ci.rows(8, [3, 5], xp="jax")
+    pool, v = jax.numpy.zeros((16, 2)), jax.numpy.ones((2, 5, 2))
+    traced, _ = jax.jit(lambda v, p: ix.extend(v, p))(v, pool)
+    eager, _ = ix.extend(v, pool)
+    assert np.array_equal(np.asarray(traced), np.asarray(eager))
