@@ -1,5 +1,10 @@
 """JAX: ``.at[].set(mode="drop")`` with -1 sent past the pool (JAX wraps -1 onto the last row
-even under drop), fill-with-zero gather, ``jax.jit`` with donation."""
+even under drop), fill-with-zero gather, ``jax.jit`` with donation, placement on a sharding.
+
+Nothing here reads a value on the host or depends on one, so every operation traces under
+``jax.jit`` and ``lax.scan``, and one program serves every position, table and row map. Index
+tensors are whatever integer dtype they come in: int32 under JAX's default, int64 with x64.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ class JaxBackend(Backend):
         return jax.numpy
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
+        """One XLA scatter of the tokens' rows; a slot outside the pool (-1, the pool's size,
+        int32's or int64's largest, any negative) stores nothing. Under ``jax.jit`` the store is
+        in place where the program's pool is donated or is a loop's carry; outside it, a donated
+        pool goes through a compiled scatter that donates it, so its memory is reused."""
         import jax
 
         if donate and not isinstance(pool, jax.core.Tracer):
@@ -48,9 +57,11 @@ class JaxBackend(Backend):
         return jax.jit(fn, donate_argnums=tuple(donate_argnums))
 
     def to_device(self, x: Any, device: Any) -> Any:
+        """``x`` on a device, or whole on each device of a ``jax.sharding.Sharding`` (a sharding
+        that would cut it is replaced by the replicated one over the same devices)."""
         import jax
 
-        return jax.device_put(x, device)
+        return jax.device_put(x, _whole(device))
 
     def device(self, x: Any) -> Any:
         # arrays built beside an index stay uncommitted, so they follow its placement
@@ -60,6 +71,11 @@ class JaxBackend(Backend):
         import jax
 
         return list(jax.devices())
+
+    def tracing(self, x: Any) -> bool:
+        import jax
+
+        return isinstance(x, jax.core.Tracer)
 
     def programs(self, jitted: Callable) -> int | None:
         return jitted._cache_size()
@@ -96,6 +112,24 @@ def _scatter(pool: Any, slots: Any, rows: Any) -> Any:
     # mode="drop" drops indices past the pool but wraps negative ones: send them past it too
     target = jnp.where(inside(slots, n), slots, n)
     return pool.at[target].set(rows, mode="drop")
+
+
+def _whole(where: Any) -> Any:
+    """``where`` as a placement that holds a tensor whole on each of its devices: an index's
+    tensors have different leading axes (tokens, rows, slots), so no cut applies to all."""
+    import jax
+
+    if not isinstance(where, jax.sharding.Sharding) or where.is_fully_replicated:
+        return where
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if isinstance(where, NamedSharding):
+        return NamedSharding(where.mesh, PartitionSpec(), memory_kind=where.memory_kind)
+    import numpy as np
+
+    devices = np.array(sorted(where.device_set, key=lambda d: d.id))
+    return NamedSharding(jax.sharding.Mesh(devices, ("devices",)), PartitionSpec(),
+                         memory_kind=where.memory_kind)
 
 
 @cache
