@@ -228,6 +228,12 @@ class CacheIndex:
         return self.xp.max(self._t, axis=1, keepdims=True)
 
     @property
+    def _window(self) -> int | None:
+        """The window, at most the index dtype's largest value: a wider one sees as far."""
+        w = self.window_size
+        return w if w is None else min(w, int(self.xp.iinfo(self.pos.dtype).max))
+
+    @property
     def _least(self) -> Any:
         """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets
         the dtype's largest value, which no column stands before."""
@@ -290,7 +296,7 @@ class CacheIndex:
         t = self.pos[:, :, None]
         ok = self._valid[:, :, None] & inside(cols, self.context)
         if self.kind == "tabled" or self.block != 1:
-            ok = ok & sees(stands(cols, self.block), t, self.window_size)
+            ok = ok & sees(stands(cols, self.block), t, self._window)
             if self.kind != "tabled":  # a whole lane closes the blocks up to its last token
                 ok = ok & (stands(cols, self.block) <= self._last[:, :, None])
             return ok
@@ -299,13 +305,13 @@ class CacheIndex:
         p = self._lane_lookup(self.pos, cols, ok)
         i = self._arange(self.seq)[None, :, None]
         same = (cols - p) == (i - t)
-        return ok & (p >= 0) & same & sees(p, t, self.window_size)
+        return ok & (p >= 0) & same & sees(p, t, self._window)
 
     def _draft_masks(self) -> tuple[Any, Any]:
         """Under a draft: the table's columns before the lane's least position, then the
         call's tokens as ``sees`` says; of both only those at or before the token's position
         and within the window."""
-        valid, t, w = self._valid, self.pos, self.window_size
+        valid, t, w = self._valid, self.pos, self._window
         j = self._arange(int(self.table.shape[1]))[None, None, :]
         table_part = valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
         tail = (valid[:, :, None] & valid[:, None, :] & self.draft_sees
@@ -403,35 +409,37 @@ class CacheIndex:
     def _some_token_sees(self) -> Any:
         """[batch, width]: whether some token of each lane sees each column of the table (the
         zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
-        xp, w = self.xp, self.window_size
+        xp, w = self.xp, self._window
         width = int(self._columns_table.shape[1])
         j = self._arange(width)[None, :]
         if self.draft_slots is not None:  # columns before the least position, within reach
             least = self._least
             ok = (j < least) & xp.any(self._valid, axis=1, keepdims=True)
-            return ok if w is None else ok & (j > least - w)
+            return ok if w is None else ok & (least - j < w)
         stand = stands(j, self.block)
         if w is None:
             return stand <= self._last
         return self._some_token_within(stand, w)
 
     def _some_token_within(self, stand: Any, w: int) -> Any:
-        """Whether some valid token of the lane sits in ``[stand, stand + w)``: the smallest
-        token at or past ``stand``, found by one ``searchsorted`` over all lanes at once (each
-        lane's positions offset into a range of its own)."""
+        """Whether some valid token of the lane sits in ``[stand, stand + w)``.
+
+        Tokens at or before the last column's stand are found by one ``searchsorted`` over all
+        lanes at once (each lane's positions offset into a range of its own, so no offset grows
+        with the window); of the tokens past it only the lane's nearest can see a column."""
         xp = self.xp
-        width = stand.shape[1]
-        reach = stands(width - 1, self.block) + w  # a token at or past it sees no column
-        t = xp.where(self._valid & (self.pos < reach), self.pos,
-                     xp.asarray(reach, dtype=self.pos.dtype))
-        span = reach + 1
-        lane = self._arange(self.batch)[:, None] * span
+        top = stands(stand.shape[1] - 1, self.block)
+        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+        valid, t = self._valid, self.pos
+        past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
+        near = (past < big) & (past - stand < w)
+        t = xp.where(valid & (t <= top), t, xp.asarray(top + 1, dtype=t.dtype))
+        lane = self._arange(self.batch)[:, None] * (top + 2)
         keys = xp.sort(xp.reshape(t + lane, (-1,)))
         wanted = stand + lane
-        at = xp.searchsorted(keys, xp.reshape(wanted, (-1,)))
-        at = xp.clip(at, 0, keys.shape[0] - 1)
+        at = xp.clip(xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
         found = xp.reshape(xp.take(keys, at), wanted.shape) - lane
-        return (found >= stand) & (found < stand + w)
+        return near | ((found >= stand) & (found <= top) & (found - stand < w))
 
     def _zero_where(self, values: Any, ok: Any) -> Any:
         """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""

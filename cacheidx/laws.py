@@ -22,9 +22,10 @@ def stands(column: Any, m: int) -> Any:
 
 def sees(stand: Any, t: Any, window: int | None) -> Any:
     """A token at position ``t`` sees a column standing at ``stand`` when the column stands at
-    or before it and, under a window ``w``, within the last ``w`` positions: ``t - w < stand``."""
+    or before it and, under a window ``w``, within the last ``w`` positions: ``t - stand < w``."""
     ok = stand <= t
-    return ok if window is None else ok & (stand > t - window)
+    # t - stand, never t - window: a window as wide as the dtype must not overflow
+    return ok if window is None else ok & (t - stand < window)
 
 
 def closes(t: Any, m: int) -> Any:

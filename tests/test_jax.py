@@ -152,9 +152,6 @@ def test_extend_donated_outside_jit_drops_as_the_compiled_store_does(x64):
     same(pool, np.array([[N], [2]], np.float32))
 
 
-@pytest.mark.xfail(reason="core: _some_token_within offsets lanes by window + context, which "
-                   "overflows int32 for a window near 2**31 / batch, and sees() computes t - w, "
-                   "which raises for a window past int32 (see the JAX backend's report)")
 @pytest.mark.parametrize("w", [2**30, 2**31 - 1, 2**31, HUGE])
 def test_a_window_wider_than_every_position_is_no_window_under_int32(w):
     """A column past every token of its lane reads zero whatever the window; int32 indices
