@@ -540,3 +540,16 @@ def law_placing_an_index_keeps_its_values_and_structure(case: Case) -> None:
     assert moved.structure == ix.structure
     for a, b in zip(ix.tensors(), moved.tensors()):
         same(case, b, case.numpy(a), "a placed tensor")
+
+
+@law
+def law_a_window_wider_than_every_position_is_no_window(case: Case) -> None:
+    """A window as wide as the index dtype allows sees what no window sees: nothing wraps."""
+    plain = build.rows(4, [1, 2, 3, 4], **on(case))
+    v, before = ramp(4, 4), stored(16, {s: float(s) for s in range(16)})
+    want_seen, _ = case.call(extend, plain, case.array(v), case.array(before))
+    for w in (2**30, case.int_max):
+        wide = plain.window(w)
+        same(case, case.call(mask, wide), case.numpy(case.call(mask, plain)), f"mask, w={w}")
+        seen, _ = case.call(extend, wide, case.array(v), case.array(before))
+        same(case, seen, case.numpy(want_seen), f"seen, w={w}")
