@@ -150,7 +150,7 @@ def serve(
     max_new_tokens: int = 16,
     page_size: int = 16,
     backend: str = "numpy",
-    compile: bool | None = None,
+    compile: bool = False,
     share: bool = True,
     chunk: int | None = None,
     stop: bool = True,
@@ -160,14 +160,14 @@ def serve(
     """Greedy answers to ``prompts`` (lists of token ids), served through paged pools.
 
     ``params`` are NumPy arrays (``cacheidx.models.gguf.load``); they are converted to
-    ``backend``'s namespace. ``compile`` wraps the step in the backend's ``jit`` (default: when
-    the backend compiles, as JAX does). ``share=False`` computes every prompt whole, with no
-    prefix planning; ``chunk`` splits each prefill wave into calls of at most ``chunk`` tokens
-    per lane. Compiled, every prefill call has one shape, all prompts' lanes (those not in the
-    wave are padding) of ``chunk`` tokens (16 by default), so one program serves every prefill
-    call and one every decode step: positions, tables and rows are values of the index.
-    With ``stop`` a prompt's answer ends at ``eos`` (kept) and decoding ends once
-    every answer has; without it every prompt gets ``max_new_tokens``.
+    ``backend``'s namespace. ``compile`` wraps the step in the backend's ``jit`` (``jax.jit``,
+    ``torch.compile``; eager where the backend has no compiler). ``share=False`` computes
+    every prompt whole, with no prefix planning; ``chunk`` splits each prefill wave into calls
+    of at most ``chunk`` tokens per lane. Compiled, every prefill call has one shape, all
+    prompts' lanes (those not in the wave are padding) of ``chunk`` tokens (16 by default), so
+    one program serves every prefill call and one every decode step: positions, tables and
+    rows are values of the index. With ``stop`` a prompt's answer ends at ``eos`` (kept) and
+    decoding ends once every answer has; without it every prompt gets ``max_new_tokens``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"cacheidx.demo.serve: max_new_tokens must be positive, got "
@@ -177,7 +177,7 @@ def serve(
         raise ValueError("cacheidx.demo.serve: every prompt needs at least one token")
     be = ci.backends.get(backend)
     xp = be.xp
-    compile = be.compiles if compile is None else compile
+    compile = bool(compile)
     if compile and chunk is None:
         chunk = 16
     info = getattr(xp, "__array_namespace_info__", None)
@@ -304,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None,
                         help="prefill in calls of at most this many tokens per prompt")
     parser.add_argument("--eager", action="store_true",
-                        help="never compile (JAX compiles the step by default)")
+                        help="never compile (the step is compiled by default on jax)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the step with the backend's jit (torch.compile is slow "
+                        "to build for 30 layers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
@@ -329,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         page_size=args.page_size,
         backend=args.backend,
-        compile=False if args.eager else None,
+        compile=args.compile or (args.backend == "jax" and not args.eager),
         chunk=args.chunk,
         progress=say,
     )

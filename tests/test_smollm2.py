@@ -74,3 +74,11 @@ def test_compiled_with_jax_equals_transformers(smollm2):
                         backend="jax", compile=True)
     assert served.compiled
     check_equal_to_transformers(served, reference, gguf)
+
+
+def test_torch_eager_equals_transformers(smollm2):
+    pytest.importorskip("torch", reason="the torch run needs torch")
+    config, params, ids, reference, gguf = smollm2
+    served = demo.serve(params, config, ids, max_new_tokens=NEW_TOKENS, page_size=16,
+                        backend="torch")
+    check_equal_to_transformers(served, reference, gguf)

@@ -116,7 +116,8 @@ def load(path: str, *, xp=None, device=None) -> tuple[Config, dict]:
         a = gguf.quants.dequantize(t.data, t.tensor_type)
         # ggml lists dims innermost first; the array is [out, in]
         shape = tuple(int(n) for n in t.shape[::-1])
-        tensors[t.name] = np.asarray(a, dtype=np.float32).reshape(shape)
+        # writable (a float32 tensor comes back as a view of the read-only file)
+        tensors[t.name] = np.require(a, np.float32, ["W"]).reshape(shape)
 
     def linear(name):  # [out, in] -> [in, out]
         return np.ascontiguousarray(tensors[name].T)
