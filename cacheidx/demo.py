@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"> {p}\n{answer}\n")
     print(f"prefill: {served.computed} tokens computed, {served.unshared} without sharing, "
           f"in {served.waves} waves, {served.prefill_s:.2f}s")
-    print(f"pages: {served.pages} of {served.page_size} slots used, {served.pages_unshared} "
+    print(f"pages of {served.page_size} slots: {served.pages} used, {served.pages_unshared} "
           f"without sharing")
     print(f"decode: first step {served.warmup_s:.2f}s, then {served.decode_steps} steps x "
           f"{len(prompts)} prompts in "
