@@ -6,21 +6,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prefix_cases import SPEC, page_sizes, prompt_sets
 
 from cacheidx import prefix
 from cacheidx.prefix import PageError, Pages
-
-SPEC = [  # the spec's five reviews, one token a word
-    [10, 20, 30, 40],
-    [10, 20, 30, 50, 60, 70],
-    [80, 90, 70],
-    [10, 20, 30, 50],
-    [10, 20, 30, 50],
-]
-
-tokens = st.lists(st.integers(0, 2), min_size=1, max_size=10)
-prompt_sets = st.lists(tokens, max_size=25)
-page_sizes = st.integers(1, 4)
 
 
 def state(pool: Pages):

@@ -11,26 +11,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prefix_cases import SPEC, page_sizes, prompt_sets, tokens
 
 from cacheidx import prefix
 from cacheidx.prefix.report import minimum
 
 # The module, not the function `prefix.plan` that shadows it as an attribute.
 plan_module = importlib.import_module("cacheidx.prefix.plan")
-
-SPEC = [  # the spec's five reviews, one token a word
-    [10, 20, 30, 40],
-    [10, 20, 30, 50, 60, 70],
-    [80, 90, 70],
-    [10, 20, 30, 50],
-    [10, 20, 30, 50],
-]
-
-# A small alphabet and short prompts share a lot: copies, prefixes of one another, one-token
-# prompts.
-tokens = st.lists(st.integers(0, 2), min_size=1, max_size=10)
-prompt_sets = st.lists(tokens, max_size=25)
-page_sizes = st.integers(1, 4)
 
 
 # -- a slow planner written from the spec, with sorted() and loops --------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prefix_cases import SPEC
 
 import cacheidx as ci
 from cacheidx import prefix
@@ -21,13 +22,6 @@ schedule_module = importlib.import_module("cacheidx.prefix.schedule")
 CFG = Config.tiny()
 RTOL = 1e-4
 
-SPEC = [  # the spec's five reviews, one token a word
-    [10, 20, 30, 40],
-    [10, 20, 30, 50, 60, 70],
-    [80, 90, 70],
-    [10, 20, 30, 50],
-    [10, 20, 30, 50],
-]
 # The same below the tiny decoder's vocabulary of 64; it sorts and shares as the spec's.
 SPEC_IDS = [[t % CFG.vocab for t in p] for p in SPEC]
 
