@@ -116,12 +116,16 @@ class TorchBackend(Backend):
         """``cls`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
         the spec's walk paths, which ``torch.export`` needs), the structure and backend its
         context, which serialises as JSON so that ``torch.export.save`` takes it."""
+        import torch
         import torch.utils._pytree as pytree
 
-        from ..index import _flatten, _leaf_names, _unflatten
+        from ..index import Structure, _flatten, _leaf_names, _unflatten
+        from . import get
 
         if cls in pytree.SUPPORTED_NODES:
             return
+        # torch.export.load unpickles example inputs weights-only: allow the index's parts
+        torch.serialization.add_safe_globals([cls, Structure, get])
 
         def flatten_with_keys(index: Any) -> tuple[list[tuple[Any, Any]], Any]:
             leaves, static = _flatten(index)
