@@ -91,8 +91,11 @@ def run(name: str, args, tmp: Path) -> dict:
     shown = " ".join(["python", f"benchmarks/{name}", "--json", "PATH"] + cmd[4:])
     start = time.perf_counter()
     lines: list[str] = []
+    # stderr (progress bars, warnings) goes to a file: only what a benchmark prints reaches
+    # the page, and the file's tail when it fails
+    err = open(tmp / (script.stem + ".stderr"), "w+")
     try:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
                                 text=True, bufsize=1)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -106,6 +109,10 @@ def run(name: str, args, tmp: Path) -> dict:
     except OSError as e:
         rc, lines = -1, [str(e)]
     seconds = time.perf_counter() - start
+    err.seek(0)
+    if rc != 0:
+        lines += err.read().splitlines()[-20:]
+    err.close()
     data = None
     if rc == 0 and out.exists():
         try:
