@@ -7,6 +7,7 @@ any difference in tests/test_smollm2.py is then the cache's.
 
 import numpy as np
 import pytest
+from smollm2_support import smollm2_or_skip
 
 from cacheidx.models import llama
 
@@ -33,20 +34,6 @@ class Causal:
     def mask(self):
         causal = np.tril(np.ones((self.seq, self.seq), dtype=bool))
         return np.broadcast_to(causal, (self.batch, self.seq, self.seq))
-
-
-def smollm2_or_skip():
-    """(config, params, gguf module), or a skip that prints which package is missing."""
-    from cacheidx.models import gguf
-
-    for module in ("gguf", "transformers", "accelerate", "torch"):
-        pytest.importorskip(module, reason=f"the SmolLM2 comparison needs `{module}` installed")
-    try:
-        gguf.smollm2_path()
-    except gguf.ModelMissing as e:
-        pytest.skip(str(e))
-    config, params = gguf.load_smollm2()
-    return config, params, gguf
 
 
 def test_a_query_that_sees_nothing_gets_exactly_zero():

@@ -8,6 +8,7 @@ and compiled with ``jax.jit``. The forward alone (no cache) is checked in test_l
 
 import numpy as np
 import pytest
+from smollm2_support import smollm2_or_skip
 
 from cacheidx import demo
 
@@ -24,15 +25,7 @@ pytestmark = pytest.mark.slow  # loads a real model
 @pytest.fixture(scope="module")
 def smollm2():
     """(config, params, prompt ids, transformers' (tokens, last logits) per prompt, gguf)."""
-    for module in ("gguf", "transformers", "accelerate", "torch"):
-        pytest.importorskip(module, reason=f"the SmolLM2 comparison needs `{module}` installed")
-    from cacheidx.models import gguf
-
-    try:
-        gguf.smollm2_path()
-    except gguf.ModelMissing as e:
-        pytest.skip(str(e))
-    config, params = gguf.load_smollm2()
+    config, params, gguf = smollm2_or_skip()
     ids = [gguf.chat_ids(p) for p in PROMPTS]
     return config, params, ids, gguf.transformers_greedy(ids, NEW_TOKENS), gguf
 
