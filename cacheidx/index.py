@@ -234,12 +234,16 @@ class CacheIndex:
         return w if w is None else min(w, int(self.xp.iinfo(self.pos.dtype).max))
 
     @property
+    def _largest(self) -> Any:
+        """The index dtype's largest value: the sentinel of a lane with no such token."""
+        return self.xp.asarray(self.xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+
+    @property
     def _least(self) -> Any:
         """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets
         the dtype's largest value, which no column stands before."""
-        xp = self.xp
-        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
-        return xp.min(xp.where(self._valid, self.pos, big), axis=1, keepdims=True)
+        return self.xp.min(self.xp.where(self._valid, self.pos, self._largest), axis=1,
+                           keepdims=True)
 
     def _arange(self, n: int) -> Any:
         return self.xp.arange(n, dtype=self.pos.dtype, device=self.device)
@@ -314,9 +318,14 @@ class CacheIndex:
         valid, t, w = self._valid, self.pos, self._window
         j = self._arange(int(self.table.shape[1]))[None, None, :]
         table_part = valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
-        tail = (valid[:, :, None] & valid[:, None, :] & self.draft_sees
-                & sees(t[:, None, :], t[:, :, None], w))
-        return table_part, tail
+        return table_part, self._draft_tail()
+
+    def _draft_tail(self) -> Any:
+        """[batch, seq, seq]: token ``i`` sees the call's token ``j`` where the draft says so,
+        at or before its position and within the window."""
+        valid, t = self._valid, self.pos
+        return (valid[:, :, None] & valid[:, None, :] & self.draft_sees
+                & sees(t[:, None, :], t[:, :, None], self._window))
 
     # -- pools: extend ------------------------------------------------------------------------
     def extend(self, values: Any, pool: Any, *, donate: bool = False) -> tuple[Any, Any]:
@@ -376,8 +385,8 @@ class CacheIndex:
         seen = xp.reshape(got, (*shape, *pool.shape[1:]))
         if self.draft_slots is None:
             return seen
-        _, tail = self._draft_masks()
-        return xp.concat([seen, self._zero_where(values, xp.any(tail, axis=1))], axis=1)
+        seen_by_some = xp.any(self._draft_tail(), axis=1)
+        return xp.concat([seen, self._zero_where(values, seen_by_some)], axis=1)
 
     def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any, Any]:
         """The slots a read of a pool of ``n`` slots takes (flat), and where it is not zero."""
@@ -429,7 +438,7 @@ class CacheIndex:
         with the window); of the tokens past it only the lane's nearest can see a column."""
         xp = self.xp
         top = stands(stand.shape[1] - 1, self.block)
-        big = xp.asarray(xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+        big = self._largest
         valid, t = self._valid, self.pos
         past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
         near = (past < big) & (past - stand < w)
