@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import cacheidx as ci
+from cacheidx.conformance.pytest_plugin import backend_or_skip
 
 # CI never depends on luck: the same examples every run.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
@@ -23,7 +24,4 @@ BACKENDS = ["numpy", "strict", "torch", "jax", "cupy"]
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> ci.backends.Backend:
     """Every backend; one that cannot run here is skipped with its reason."""
-    ok, why = ci.backends._class(request.param).usable()
-    if not ok:
-        pytest.skip(f"backend {request.param} cannot run here: {why}")
-    return ci.backends.get(request.param)
+    return backend_or_skip(request.param)

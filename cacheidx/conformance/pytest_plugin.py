@@ -40,14 +40,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                          ids=[f"{n}-{m}" for n, m in params])
 
 
+def backend_or_skip(name: str) -> backends.Backend:
+    """The backend ``name``, or a skip that prints why it cannot run here."""
+    ok, why = backends._class(name).usable()
+    if not ok:
+        pytest.skip(f"backend {name} cannot run here: {why}")
+    return backends.get(name)
+
+
 @pytest.fixture
 def cacheidx_case(request: pytest.FixtureRequest) -> Case:
     """A law's case: a backend, its first device, eager or compiled."""
     name, mode = request.param
-    ok, why = backends._class(name).usable()
-    if not ok:
-        pytest.skip(f"backend {name} cannot run here: {why}")
-    backend = backends.get(name)
+    backend = backend_or_skip(name)
     if mode == "compiled" and not backend.compiles:
         pytest.skip(f"{name} has no compiler: its compiled run is its eager run")
     if hasattr(backend, "compiler"):
