@@ -206,7 +206,7 @@ class CacheIndex:
         """The tokens' positions clamped to 0 and the last column of the positions' table
         (``seq - 1`` without one), for rotating: padding is 0. Independent of ``every``."""
         last = self.seq if self.table is None else int(self.table.shape[1])
-        return self.xp.clip(self.pos, 0, last - 1)
+        return _clamp(self.xp, self.pos, 0, last - 1)
 
     @property
     def _valid(self) -> Any:
@@ -446,7 +446,7 @@ class CacheIndex:
         lane = self._arange(self.batch)[:, None] * (top + 2)
         keys = xp.sort(xp.reshape(t + lane, (-1,)))
         wanted = stand + lane
-        at = xp.clip(xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
+        at = _clamp(xp, xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
         found = xp.reshape(xp.take(keys, at), wanted.shape) - lane
         return near | ((found >= stand) & (found <= top) & (found - stand < w))
 
@@ -481,6 +481,13 @@ class CacheIndex:
     def _last_of(self, cols: Any) -> Any:
         """Each lane's greatest position, shaped to broadcast against ``cols``."""
         return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
+
+
+def _clamp(xp: Any, x: Any, lo: int, hi: Any) -> Any:
+    """``x`` clamped to ``[lo, hi]``. Not ``xp.clip``: its wrappers ask on the host whether a
+    bound is NaN, which a shape that ``torch.compile(dynamic=True)`` keeps symbolic cannot
+    answer."""
+    return xp.where(x < lo, lo, xp.where(x > hi, hi, x))
 
 
 # -- pytree: the tensors are leaves, the structure is static ------------------------------------
