@@ -3,10 +3,11 @@
 Each rank gets torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port), so the same
 command serves ``torch.distributed`` (``init_method="env://"``) and ``jax.distributed`` (the
-coordinator at ``MASTER_ADDR:MASTER_PORT``). Laws: :func:`launch` returns only when every rank
-exited 0; as soon as one rank fails, or at the deadline, it kills every rank (and whatever each
-started) and raises :class:`RankFailed`, naming the first rank that failed, how, and the end of
-its stderr. A collective never outlives its launcher.
+coordinator at ``MASTER_ADDR:MASTER_PORT``), and one thread each (``OMP_NUM_THREADS=1``, as
+torchrun sets, unless the environment names another). Laws: :func:`launch` returns only when
+every rank exited 0; as soon as one rank fails, or at the deadline, it kills every rank (and
+whatever each started) and raises :class:`RankFailed`, naming the first rank that failed, how,
+and the end of its stderr. A collective never outlives its launcher.
 
     python -m cacheidx.parallel.launch -n 3 --deadline 600 -- python -m cacheidx.parallel.greedy
 """
@@ -78,6 +79,8 @@ def launch(
     base = dict(os.environ if env is None else env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
                 LOCAL_WORLD_SIZE=str(ranks), PYTHONUNBUFFERED="1")
+    if ranks > 1:  # as torchrun does: ranks sharing the cores must not each take all of them
+        base.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="cacheidx-launch-") as tmp:
         procs, files = [], []
         try:
