@@ -117,9 +117,13 @@ def test_ranks_summing_their_parts_equal_the_whole_model(k):
 
     def rank(r):
         reduce = summing.reduce_of(r)
-        got[r] = ranks.decode(np, lambda p, t, i, pools: forward(p, local, t, i, pools,
-                                                                  reduce=reduce),
-                              parallel.shard(params, c, r, k), empty_pools(local, s["slots"]))
+        try:
+            got[r] = ranks.decode(np, lambda p, t, i, pools: forward(p, local, t, i, pools,
+                                                                      reduce=reduce),
+                                  parallel.shard(params, c, r, k), empty_pools(local, s["slots"]))
+        except BaseException as e:  # the other ranks stop waiting for this one's parts
+            summing.gate.abort()
+            got[r] = e
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(k)]
     for t in threads:
@@ -127,6 +131,7 @@ def test_ranks_summing_their_parts_equal_the_whole_model(k):
     for t in threads:
         t.join()
     for r in range(k):
+        assert isinstance(got[r], list), f"rank {r} raised {got[r]!r}"
         assert len(got[r]) == ranks.STEPS + 1
         for a, b in zip(got[r], want, strict=True):
             close(a, b)

@@ -64,7 +64,7 @@ def initialize(backend: str) -> None:
     elif backend == "jax":
         import jax
 
-        if not jax.distributed.is_initialized():
+        if not getattr(jax.distributed, "is_initialized", lambda: False)():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator_address=where, num_processes=size,
                                        process_id=rank)
@@ -238,11 +238,15 @@ class JaxGroup:
 
         whole = PartitionSpec()
 
+        # jax.shard_map from JAX 0.6; jax.experimental's before
+        shard_map = getattr(jax, "shard_map", None)
+        if shard_map is None:
+            from jax.experimental.shard_map import shard_map
+
         def run(params: dict, tokens: Any, index: Any, pools: list) -> Any:
             specs = tree_map(params, cuts(params), lambda _, axis: self._spec(axis))
-            return jax.shard_map(step, mesh=self.mesh,
-                                 in_specs=(specs, whole, whole, self.cut.spec),
-                                 out_specs=(whole, self.cut.spec))(params, tokens, index, pools)
+            return shard_map(step, mesh=self.mesh, in_specs=(specs, whole, whole, self.cut.spec),
+                             out_specs=(whole, self.cut.spec))(params, tokens, index, pools)
 
         return run
 
