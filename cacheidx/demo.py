@@ -156,6 +156,7 @@ def serve(
     stop: bool = True,
     eos: int = EOS,
     progress: Callable[[str], None] = _quiet,
+    group=None,
 ) -> Served:
     """Greedy answers to ``prompts`` (lists of token ids), served through paged pools.
 
@@ -168,6 +169,7 @@ def serve(
     one program serves every prefill call and one every decode step: positions, tables and
     rows are values of the index. With ``stop`` a prompt's answer ends at ``eos`` (kept) and
     decoding ends once every answer has; without it every prompt gets ``max_new_tokens``.
+    ``group`` (:func:`cacheidx.parallel.group`) runs the step tensor-parallel.
     """
     if max_new_tokens < 1:
         raise ValueError(f"cacheidx.demo.serve: max_new_tokens must be positive, got "
@@ -186,13 +188,18 @@ def serve(
     def ints(a):
         return xp.asarray(np.asarray(a), dtype=int_dtype)
 
-    weights = llama.convert(params, xp=xp)
+    if group is None:
+        weights = llama.convert(params, xp=xp)
+    else:  # this rank's heads and hidden units; every rank reads the same index
+        config, weights = group.shard(config, params)
     donate = True  # the engine owns its pools
 
     def step(weights, tokens, index, pools):
-        return llama.forward(weights, config, tokens, index, pools, donate=donate, last=True)
+        return llama.forward(weights, config, tokens, index, pools, donate=donate, last=True,
+                             reduce=None if group is None else group.reduce)
 
-    run = be.jit(step, donate_argnums=(3,)) if compile else step
+    run = step if group is None else group.map(step)
+    run = be.jit(run, donate_argnums=(3,)) if compile else run
 
     n = len(prompts)
     lens = [len(p) for p in prompts]
@@ -202,7 +209,8 @@ def serve(
                                np.full(n, -1), page_size, max_new_tokens)
     table_np = _table(pages, page_size)
     table = ints(table_np)
-    pools = llama.empty_pools(config, used * page_size, like=weights["embed"])
+    pools = (group.pools if group else llama.empty_pools)(config, used * page_size,
+                                                         like=weights["embed"])
     shared_of = dict(zip(order.tolist(), shared.tolist(), strict=True))
     depth = _depths(order, parent)
     waves = [[p for p in range(n) if depth[p] == d] for d in range(max(depth.values()) + 1)]
@@ -309,7 +317,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile the step with the backend's jit (torch.compile is slow "
                         "to build for 30 layers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                        help="split the heads and the MLP over K ranks: torch under torchrun "
+                        "--nproc-per-node K, jax over K devices")
     args = parser.parse_args(argv)
+    group = None
+    if args.tensor_parallel > 1:
+        from . import parallel
+
+        group = parallel.group(args.backend, args.tensor_parallel)
 
     from .models import gguf
 
@@ -327,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     say(f"loaded in {time.perf_counter() - t0:.1f}s; serving {len(ids)} prompts on "
         f"{args.backend}")
+    if group is not None:
+        from .parallel import split
+
+        split(config, group.size)  # the clear error when the heads do not divide
     served = serve(
         params, config, ids,
         max_new_tokens=args.max_new_tokens,
@@ -335,7 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile=args.compile or (args.backend == "jax" and not args.eager),
         chunk=args.chunk,
         progress=say,
+        group=group,
     )
+    if group is not None and not group.lead:
+        return 0
     figures = served.figures()
     if args.json:
         out = {

@@ -267,9 +267,11 @@ def _masked_softmax(xp, scores, mask):
     return e / xp.where(total > 0, total, 1.0)
 
 
-def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None):
+def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None, reduce=None):
     """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
-    one matrix product): returns ``(x, (k_pool, v_pool))``."""
+    one matrix product): returns ``(x, (k_pool, v_pool))``. ``reduce``, when given, is applied
+    to the attention's and the MLP's output projections before each joins the residual: under
+    tensor parallelism it sums every rank's part (``cacheidx.parallel``)."""
     xp = xp or array_namespace(x)
     c = config
     m = c.matmul_mantissa
@@ -284,13 +286,20 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     seen_k, kpool = index.extend(k, kpool, donate=donate)
     seen_v, vpool = index.extend(v, vpool, donate=donate)
     o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
-    x = x + matmul(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"], m)
+    reduce = reduce or _same
+    x = x + reduce(matmul(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"], m))
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
-    x = x + matmul(_silu(matmul(h, p["w_gate"], m), xp) * matmul(h, p["w_up"], m), p["w_down"], m)
+    x = x + reduce(matmul(_silu(matmul(h, p["w_gate"], m), xp) * matmul(h, p["w_up"], m),
+                          p["w_down"], m))
     return x, (kpool, vpool)
 
 
-def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False):
+def _same(x):
+    return x
+
+
+def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False,
+            reduce=None):
     """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
 
     ``pools`` holds one ``(k_pool, v_pool)`` per layer, each ``[slots, kv_heads, head_dim]``
@@ -298,6 +307,8 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     come back as they were. With ``donate=True`` the pools are given up to ``index.extend``, which
     may write into their memory. With ``last=True`` only the last token's logits are computed
     (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
+    ``reduce`` sums the ranks' parts of every layer's two output projections under tensor
+    parallelism (:func:`layer`; ``cacheidx.parallel`` shards ``params`` and ``config``).
     """
     # the index's namespace where it names one (resolved once, outside any compiled step)
     xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
@@ -308,7 +319,7 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
-        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp)
+        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
