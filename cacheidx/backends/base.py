@@ -107,6 +107,11 @@ class Backend:
         suite feeds each step every law's cases), past the library's usual limits."""
         yield
 
+    def checking_env(self, device_label: str) -> dict[str, str]:
+        """Environment for a process that runs the law suite on this backend: settings that
+        make compiling many small programs faster and never change a value."""
+        return {}
+
     def version(self) -> str | None:
         """The library's version, read from its imported module."""
         module = sys.modules.get(self.module or "")

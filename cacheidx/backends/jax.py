@@ -62,6 +62,17 @@ class JaxBackend(Backend):
             raise ValueError(f"cacheidx.jit: jax compiles only with static shapes, not {mode!r}")
         return jax.jit(fn, donate_argnums=tuple(donate_argnums))
 
+    def checking_env(self, device_label: str) -> dict[str, str]:
+        if device_label != "cpu":
+            return {}
+        # the law suite compiles hundreds of tiny programs, eagerly one per operation and shape:
+        # XLA's CPU compiler spends most of that time optimising code that runs once
+        fast = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+        import os
+
+        return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {fast}".strip()}
+
     def device_label(self, device: Any) -> str:
         from ..devices import label
 

@@ -16,9 +16,9 @@ import functools
 import numpy as np
 
 from .. import build
-from ..models.llama import Config, empty_pools, forward, random_params
+from ..models.llama import Config, empty_pools, forward, layer, random_params
 from .laws import index, on
-from .suite import Case, law
+from .suite import Case, agree, law
 
 SLOTS = 24  #: pool slots of every law
 WIDTH = 12  #: table columns of every law, and the reference's tokens
@@ -31,19 +31,28 @@ def config(mantissa: int | None) -> Config:
 
 
 @functools.cache
-def runner(mantissa: int | None):
-    """The step a law compiles: the decoder's forward, products rounded as the policy says."""
+def one_layer(mantissa: int | None):
+    """The step a compiled law compiles: one decoder layer, traced once and run for both
+    (regional compilation, as one compiles a served model's repeated block)."""
     cfg = config(mantissa)
 
-    def run(params, tokens, ix, pools):
-        return forward(params, cfg, tokens, ix, pools)
+    def step(p, x, cos, sin, ix, pools):
+        return layer(p, cfg, x, cos, sin, ix, pools)
 
-    return run
+    return step
 
 
 def call(case: Case, params, tokens, ix, pools):
-    """``(logits, pools)`` of one call through ``ix``, eagerly and compiled."""
-    return case.call(runner(case.policy.emulate), params, tokens, ix, pools, tol=case.policy.tol)
+    """``(logits, pools)`` of one call through ``ix``; in a compiled mode the layers run
+    compiled too, and the two agree within the policy's tolerance."""
+    cfg, tol = config(case.policy.emulate), case.policy.tol
+    eager = forward(params, cfg, tokens, ix, pools)
+    if not case.compiled:
+        return eager
+    compiled = forward(params, cfg, tokens, ix, pools,
+                       each=case.jit(one_layer(case.policy.emulate)))
+    agree(case, eager, compiled, what="the decoder", tol=tol)
+    return compiled
 
 
 def setup(case: Case, *, fill: float = np.nan):

@@ -72,11 +72,12 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
 
 
 def jobs(target: dict, modes: list[str] | None = None) -> list[list[str]]:
-    """The groups of modes a target runs in, one worker each."""
+    """The groups of modes a target runs in, one worker each. Without ``modes``: every mode
+    the backend has but ``automatic``, whose behaviour across shapes one law checks in the
+    static run (a whole run in it is ``--mode automatic``)."""
     backend = backends.get(target["backend"])
     have = [m for m in MODES if m == "eager" or m in backend.modes]
-    if modes:
-        have = [m for m in have if m in modes]
+    have = [m for m in have if m in modes] if modes else [m for m in have if m != "automatic"]
     first = [m for m in have if m in ("eager", "compiled")]
     return ([first] if first else []) + [[m] for m in have if m not in first]
 
@@ -128,10 +129,17 @@ def run_job(name: str, device: str, modes: list[str], *, precision: str = "highe
     return out
 
 
-def _spawn(name: str, device: str, modes: list[str], options: dict) -> subprocess.Popen:
+def _spawn(name: str, device: str, modes: list[str], options: dict, *,
+           tuned: bool = True) -> subprocess.Popen:
+    """A worker for one job. ``tuned``: with the backend's settings for checking (a library
+    that rejects one of them fails at once, and the job is started again without them)."""
     spec = json.dumps({"backend": name, "device": device, "modes": modes, **options})
+    # one thread a worker: the workers already fill the cores, and every tensor is tiny
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tuned:
+        env.update(backends.get(name).checking_env(device))
     return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker", spec],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def run(names: list[str] | None = None, device: str | None = None, *,
@@ -159,6 +167,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
                                               j[0]["backend"] not in ("numpy", "strict")),
                          reverse=True)
         running: list[tuple[dict, list[str], subprocess.Popen, float]] = []
+        retried: set[float] = set()
         while pending or running:
             while pending and len(running) < workers:
                 t, group = pending.pop(0)
@@ -170,6 +179,11 @@ def run(names: list[str] | None = None, device: str | None = None, *,
                 running.remove(item)
                 t, group, proc, began = item
                 out, err = proc.communicate()
+                if proc.returncode and not out.strip() and began not in retried:
+                    retried.add(began)  # rejected a setting before it began: once more without
+                    running.append((t, group, _spawn(t["backend"], t["device"], group, options,
+                                                     tuned=False), began))
+                    continue
                 job = _read(out, err, t, group, proc.returncode)
                 job["wall_seconds"] = round(time.perf_counter() - began, 2)
                 results.setdefault((t["backend"], t["device"]), []).append(job)

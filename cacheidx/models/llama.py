@@ -299,7 +299,7 @@ def _same(x):
 
 
 def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False,
-            reduce=None):
+            reduce=None, each=None):
     """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
 
     ``pools`` holds one ``(k_pool, v_pool)`` per layer, each ``[slots, kv_heads, head_dim]``
@@ -309,6 +309,9 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
     ``reduce`` sums the ranks' parts of every layer's two output projections under tensor
     parallelism (:func:`layer`; ``cacheidx.parallel`` shards ``params`` and ``config``).
+    ``each(p, x, cos, sin, index, pools) -> (x, pools)`` runs one layer in place of
+    :func:`layer` (binding the config and options itself): a compiled one is traced once and
+    serves every layer, which is regional compilation.
     """
     # the index's namespace where it names one (resolved once, outside any compiled step)
     xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
@@ -319,7 +322,10 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
-        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce)
+        if each is None:
+            x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce)
+        else:
+            x, pool = each(p, x, cos, sin, index, pool)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
