@@ -35,6 +35,9 @@ from .step import Step
 __all__ = ["Engine"]
 
 
+_KINDS = ("prefill", "decode", "prefill warmup", "decode warmup")
+
+
 def _quiet(_: str) -> None:
     pass
 
@@ -50,13 +53,16 @@ class Engine:
     prompt whole. ``policy`` orders evictions (:func:`cacheidx.prefix.lru`). With
     ``keep_logits`` each result keeps the logits that chose its last token. ``shapes``
     (``"exact"``, ``"buckets"``, ``"fixed"``) says how calls are shaped
-    (:mod:`cacheidx.serve.step`; exact eager, buckets compiled by default)."""
+    (:mod:`cacheidx.serve.step`; exact eager, buckets compiled by default). ``context``
+    caps the tokens a request holds (prompt and new ones; a longer one fails) and sizes the
+    table once: with fixed shapes, one program for each kind of call."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool = False, pages: int = 256,
                  page_size: int = 16, lanes: int = 8, chunk: int | None = None,
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
-                 clock: str = "seconds", shapes: str | None = None):
+                 clock: str = "seconds", shapes: str | None = None,
+                 context: int | None = None):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
         if clock not in ("seconds", "steps"):
@@ -64,7 +70,8 @@ class Engine:
                              f"{clock!r}")
         chunk = (64 if compile else 256) if chunk is None else int(chunk)
         self.cache = PrefixCache(pages, page_size, policy=policy)
-        self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache)
+        self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
+                                   context=context)
         if executor is None:
             executor = Step(model, backend=backend, device=device, compile=compile,
                             slots=pages * page_size, lanes=lanes, chunk=chunk,
@@ -77,8 +84,9 @@ class Engine:
         self._finished: dict[int, Result] = {}
         self._start: float | None = None
         self.steps = 0
-        self.timing = {"prefill": 0.0, "decode": 0.0, "warmup": 0.0}
-        self.calls = {"prefill": 0, "decode": 0, "warmup": 0}
+        #: seconds and calls of each kind of call; "... warmup": those of a new shape (a compile)
+        self.timing = dict.fromkeys(_KINDS, 0.0)
+        self.calls = dict.fromkeys(_KINDS, 0)
         self.decode_tokens = 0  #: tokens decoded in calls that compiled nothing
 
     # -- time ---------------------------------------------------------------------------------
@@ -141,7 +149,7 @@ class Engine:
         chosen, logits, new = self.executor.run(batch, self.scheduler.table,
                                                 self.scheduler.version)
         spent = time.perf_counter() - t0
-        kind = "warmup" if new else batch.kind
+        kind = f"{batch.kind} warmup" if new else batch.kind
         self.timing[kind] += spent
         self.calls[kind] += 1
         if batch.kind == "decode" and not new:
@@ -174,12 +182,14 @@ class Engine:
         decode_s = self.timing["decode"]
         f.update({
             "steps": self.steps,
-            "prefill_calls": self.calls["prefill"],
-            "decode_calls": self.calls["decode"],
-            "warmup_calls": self.calls["warmup"],
-            "prefill_seconds": round(self.timing["prefill"], 3),
-            "decode_seconds": round(decode_s, 3),
-            "warmup_seconds": round(self.timing["warmup"], 3),
+            "prefill_calls": self.calls["prefill"] + self.calls["prefill warmup"],
+            "decode_calls": self.calls["decode"] + self.calls["decode warmup"],
+            "warmup_calls": self.calls["prefill warmup"] + self.calls["decode warmup"],
+            "prefill_seconds": round(self.timing["prefill"] + self.timing["prefill warmup"], 3),
+            "decode_seconds": round(decode_s + self.timing["decode warmup"], 3),
+            "warmup_seconds": round(self.timing["prefill warmup"]
+                                    + self.timing["decode warmup"], 3),
+            # decode calls that compiled nothing: the steady rate
             "decode_tokens_per_second": round(self.decode_tokens / decode_s, 1)
             if decode_s > 0 else None,
         })

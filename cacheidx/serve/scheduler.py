@@ -7,7 +7,8 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 1. A request is admitted, oldest first, while a row of the table is free and the cache can
    give it pages for its prompt and ``max_new_tokens - 1`` more positions (the last token is
    never fed back); it reads its cached prefix and computes the rest. A request that the
-   whole pool could not hold fails at once, with the reason in its result.
+   whole pool could not hold, or longer than ``context`` tokens where that is given, fails
+   at once, with the reason in its result.
 2. With the cache on, a request waits while a request still computing its prompt will
    cache pages it could read (more whole pages in common than the cache holds now): a
    prefix is computed once, then read, however the requests arrive.
@@ -76,14 +77,19 @@ class Scheduler:
     (see the module's laws). ``reuse=False`` never reads nor fills the cache: every prompt
     is computed whole."""
 
-    def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True):
-        if lanes < 1 or chunk < 1:
-            raise ValueError(f"cacheidx.serve.Scheduler: lanes and chunk must be positive, got "
-                             f"{lanes} and {chunk}")
+    def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
+                 context: int | None = None):
+        if lanes < 1 or chunk < 1 or (context is not None and context < 1):
+            raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
+                             f"positive, got {lanes}, {chunk} and {context}")
         self.cache, self.lanes, self.chunk, self.reuse = cache, lanes, chunk, reuse
+        self.context = context
         self.P = cache.page_size
-        #: [lanes, width] slots of each row's positions, -1 where none; grows by doubling
-        self.table = np.full((lanes, self.P), -1, dtype=np.int64)
+        #: [lanes, width] slots of each row's positions, -1 where none: a power of two of
+        #: pages, as wide as ``context`` from the start where given, else doubled as needed
+        pages = 1 if context is None else cache.pages_for(context)
+        width = (1 << (pages - 1).bit_length()) * self.P
+        self.table = np.full((lanes, width), -1, dtype=np.int64)
         self.version = 0  #: bumped whenever the table changes
         self.waiting: collections.deque[Result] = collections.deque()
         self._requests: dict[int, Request] = {}
@@ -92,6 +98,7 @@ class Scheduler:
         self._last_decode: tuple[Lane, ...] = ()
         self.rounds = 0  #: steps that admitted some request
         self.peak = 0  #: the most pages running requests held at once
+        self.peak_used = 0  #: the most pages not free at once (an unbounded pool's need)
         self.prompt_tokens = self.computed_tokens = self.cached_tokens = 0
         self.generated_tokens = self.failed = self.served = 0
 
@@ -105,11 +112,15 @@ class Scheduler:
         result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket)
         total = len(request.prompt) + request.max_new_tokens - 1
         need = self.cache.pages_for(total)
+        what = (f"({len(request.prompt)} prompt tokens and up to {request.max_new_tokens} new "
+                f"ones)")
         if need > self.cache.capacity:
             result.error = (f"request {request.id!r} needs {need} pages of {self.P} tokens "
-                            f"({len(request.prompt)} prompt tokens and up to "
-                            f"{request.max_new_tokens} new ones); the pool has "
-                            f"{self.cache.capacity}")
+                            f"{what}; the pool has {self.cache.capacity}")
+        elif self.context is not None and total > self.context:
+            result.error = (f"request {request.id!r} holds {total} tokens {what}; the engine's "
+                            f"context is {self.context}")
+        if result.error is not None:
             result.finished = now
             self.failed += 1
             return result
@@ -147,6 +158,7 @@ class Scheduler:
         if admitted:
             self.rounds += 1
             self.peak = max(self.peak, self.cache.in_use)
+            self._used()
         return admitted
 
     def _held_back(self, data: np.ndarray, computing: list[Lane]) -> bool:
@@ -239,11 +251,15 @@ class Scheduler:
                 finished.append(self._finish(lane, now))
         return finished
 
+    def _used(self) -> None:
+        self.peak_used = max(self.peak_used, self.cache.capacity - self.cache.free)
+
     def _finish(self, lane: Lane, now: float) -> Result:
         if self.reuse:  # the pages filled while decoding: every token but the last is written
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
             self.cache.insert(lane.hold, written)
         self.cache.release(lane.hold)
+        self._used()
         self.running.remove(lane)
         self.table[lane.row] = -1
         self.version += 1
@@ -266,6 +282,7 @@ class Scheduler:
             "pages": self.cache.capacity,
             "page_size": self.P,
             "peak_pages_in_use": self.peak,
+            "peak_pages_used": self.peak_used,
             "pages_cached": self.cache.cached,
             "evictions": self.cache.evictions,
             "admission_rounds": self.rounds,
