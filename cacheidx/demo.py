@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .models import llama
-from .serve import Engine, LlamaModel, Request
+from .serve import Engine, LlamaModel, Request, ShardedModel
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -108,6 +108,7 @@ def serve(
     stop: bool = True,
     eos: int = EOS,
     progress: Callable[[str], None] = _quiet,
+    group=None,
 ) -> Served:
     """Greedy answers to ``prompts`` (lists of token ids), served by
     :class:`cacheidx.serve.Engine` through paged pools on ``backend`` and ``device``
@@ -122,7 +123,8 @@ def serve(
     ``chunk`` splits each prompt's prefill into calls of at most ``chunk`` tokens. With
     ``stop`` a prompt's answer ends at ``eos`` (kept); without it every prompt gets
     ``max_new_tokens``. The pool holds every prompt's pages without sharing, so no prompt
-    waits for pages.
+    waits for pages. ``group`` (:func:`cacheidx.parallel.group`) runs the model
+    tensor-parallel (:class:`cacheidx.serve.ShardedModel`); every rank serves the same steps.
     """
     if max_new_tokens < 1:
         raise ValueError(f"cacheidx.demo.serve: max_new_tokens must be positive, got "
@@ -134,7 +136,8 @@ def serve(
     if chunk is None:
         chunk = 16 if compile else max(map(len, prompts))
     need = sum(-(-(len(p) + max_new_tokens - 1) // page_size) for p in prompts)
-    engine = Engine(LlamaModel(config, params), backend=backend, device=device,
+    model = LlamaModel(config, params) if group is None else ShardedModel(config, params, group)
+    engine = Engine(model, backend=backend, device=device,
                     compile=compile, pages=need, page_size=page_size, lanes=len(prompts),
                     chunk=chunk, cache=share, keep_logits=True, clock="steps",
                     shapes="fixed" if compile else None,
@@ -167,9 +170,10 @@ def serve(
 
 
 def _label(step) -> str:
-    from .devices import found, label
-
-    return label(step.device, found(step.backend))
+    try:
+        return step.backend.device_label(step.device)
+    except AttributeError:  # a placement that is no one device (a mesh)
+        return str(step.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -193,7 +197,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile the step with the backend's jit (torch.compile is slow "
                         "to build for 30 layers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                        help="split the heads and the MLP over K ranks: torch under torchrun "
+                        "--nproc-per-node K, jax over K devices")
     args = parser.parse_args(argv)
+    group = None
+    if args.tensor_parallel > 1:
+        from . import parallel
+
+        group = parallel.group(args.backend, args.tensor_parallel)
 
     from .models import gguf
 
@@ -211,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     say(f"loaded in {time.perf_counter() - t0:.1f}s; serving {len(ids)} prompts on "
         f"{args.backend}" + (f", {args.device}" if args.device else ""))
+    if group is not None:
+        from .parallel import split
+
+        split(config, group.size)  # the clear error when the heads do not divide
     try:
         served = serve(
             params, config, ids,
@@ -221,10 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             compile=args.compile or (args.backend == "jax" and not args.eager),
             chunk=args.chunk,
             progress=say,
+            group=group,
         )
     except ValueError as e:  # an unknown backend or device: say which exist
         say(str(e))
         return 2
+    if group is not None and not group.lead:
+        return 0
     figures = served.figures()
     if args.json:
         out = {

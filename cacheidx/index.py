@@ -442,7 +442,7 @@ class CacheIndex:
         valid, t = self._valid, self.pos
         past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
         near = (past < big) & (past - stand < w)
-        t = xp.where(valid & (t <= top), t, xp.asarray(top + 1, dtype=t.dtype))
+        t = xp.where(valid & (t <= top), t, top + 1)
         lane = self._arange(self.batch)[:, None] * (top + 2)
         keys = xp.sort(xp.reshape(t + lane, (-1,)))
         wanted = stand + lane

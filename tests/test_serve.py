@@ -239,74 +239,52 @@ def test_buckets_bound_the_compiled_programs():
 
 # -- devices -----------------------------------------------------------------------------------
 class Fake:
-    """A backend listing fake devices."""
+    """A backend listing made-up devices, labelled as a backend labels its own."""
 
     name = "fake"
 
-    def __init__(self, *found):
-        self.found = list(found)
+    def __init__(self, *labels):
+        self.found = [object() for _ in labels]
+        self.labels = dict(zip(map(id, self.found), labels))
 
     def devices(self):
         return self.found
 
-
-class JaxLike:
-    def __init__(self, platform, id):
-        self.platform, self.id = platform, id
-
-    def __repr__(self):
-        return f"{self.platform}:{self.id}"
+    def device_label(self, device):
+        return self.labels[id(device)]
 
 
-class TorchLike:
-    def __init__(self, type, index=None):
-        self.type, self.index = type, index
-
-    def __repr__(self):
-        return self.type if self.index is None else f"{self.type}:{self.index}"
-
-
-@pytest.mark.parametrize("found", [
-    [TorchLike("cpu"), TorchLike("cuda", 0), TorchLike("cuda", 1)],
-    [JaxLike("gpu", 0), JaxLike("gpu", 1), JaxLike("cpu", 0)],
-], ids=["torch-like", "jax-like"])
-def test_device_names_are_the_same_for_every_backend(found):
-    backend = Fake(*found)
-    cpu = next(d for d in found if "cpu" in repr(d))
-    gpus = [d for d in found if d is not cpu]
+def test_the_engine_takes_the_same_device_names_on_every_backend():
+    backend = Fake("cpu", "cuda:0", "cuda:1")
+    cpu, first, second = backend.found
     assert devices.resolve(backend, "cpu") is cpu
-    assert devices.resolve(backend, "gpu") is gpus[0]
-    assert devices.resolve(backend, "cuda") is gpus[0]
-    assert devices.resolve(backend, "cuda:1") is gpus[1]
-    assert devices.resolve(backend, "GPU:1") is gpus[1]
-    assert devices.resolve(backend, None) is found[0]
-    with pytest.raises(ValueError, match=r"backend fake has no device 'gpu:2'; devices found: "
-                                         r"(cpu, gpu:0, gpu:1|gpu:0, gpu:1, cpu)$"):
+    assert devices.resolve(backend, "gpu") is first and devices.resolve(backend, "cuda") is first
+    assert devices.resolve(backend, "gpu:1") is second and devices.resolve(backend, "CUDA:1") \
+        is second
+    assert devices.resolve(backend, None) is cpu
+    with pytest.raises(ValueError, match=r"fake has no device 'gpu:2' \(cuda:2\); found: cpu, "
+                                         r"cuda:0, cuda:1"):
         devices.resolve(backend, "gpu:2")
 
 
-def test_a_device_name_is_one_of_the_forms():
-    with pytest.raises(ValueError, match="no device named 'tpu'; names are cpu, gpu, cuda"):
-        devices.resolve(Fake("cpu"), "tpu")
-    with pytest.raises(ValueError, match="backend fake has no device 'gpu'; devices found: cpu"):
-        devices.resolve(Fake("cpu"), "gpu")
-    with pytest.raises(ValueError, match="lists no device"):
-        devices.resolve(Fake(), "cpu")
-    assert devices.label(type("CudaDevice", (), {"__module__": "cupy.cuda.device", "id": 3})()) \
-        == "gpu:3"
-
-
 @pytest.mark.parametrize("name", BACKENDS)
-def test_every_backend_answers_cpu_or_names_what_it_has(name):
+def test_every_backend_serves_on_cpu_and_names_what_it_has(name):
     backend = backend_or_skip(name)
-    if name == "cupy":
-        with pytest.raises(ValueError, match="devices found: gpu:0"):
-            devices.resolve(backend, "cpu")
+    model = Ledger()
+    if "cpu" not in [backend.device_label(d) for d in backend.devices()]:  # CuPy
+        with pytest.raises(ValueError, match="found: cuda:0"):
+            Engine(model=model, backend=name, device="cpu", pages=4, page_size=4)
         return
-    cpu = devices.resolve(backend, "cpu")
-    assert devices.label(cpu) == "cpu"
-    x = backend.xp.asarray(np.arange(3), device=cpu)
-    assert devices.label(device_of(x)) == "cpu"
+    engine = Engine(model=model, backend=name, device="cpu", pages=8, page_size=4,
+                    clock="steps")
+    assert backend.device_label(engine.executor.device) == "cpu"
+    (result,) = engine.run([Request(0, [5, 6, 7], 2)])
+    assert result.tokens == model.alone([5, 6, 7], 2)
+    found = ", ".join(dict.fromkeys(backend.device_label(d) for d in backend.devices()))
+    if "cuda:7" not in found:
+        with pytest.raises(ValueError, match=f"has no device 'gpu:7' \\(cuda:7\\); found: "
+                                             f"{found}"):
+            Engine(model=model, backend=name, device="gpu:7", pages=4, page_size=4)
 
 
 # -- the tiny Llama: logits and tokens ---------------------------------------------------------
@@ -406,6 +384,40 @@ def test_demo_serve_is_the_engine_on_a_device(tiny):
         np.testing.assert_allclose(last, logits, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="no device 'gpu:7'"):
         demo.serve(params, config, prompts, device="gpu:7")
+
+
+@pytest.mark.parametrize("name", ["jax", "torch"])
+def test_a_sharded_model_on_a_group_of_one_gives_the_same_tokens(tiny, name, tmp_path):
+    """The tensor-parallel model (``cacheidx.parallel`` groups; here of one rank: a JAX mesh
+    of one device, compiled; a torch gloo group of one process) runs through the same engine
+    and gives one process's tokens."""
+    backend_or_skip(name)
+    from cacheidx import parallel
+    from cacheidx.serve import ShardedModel
+
+    config, params, model = tiny
+    if name == "jax":
+        import jax
+
+        group, compile = parallel.JaxGroup(jax.devices()[:1]), True
+    else:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            pytest.skip("a torch process group is running already in this process")
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                                world_size=1)
+        group, compile = parallel.TorchGroup(), False
+    try:
+        runs = []
+        for m in (model, ShardedModel(config, params, group)):
+            engine = Engine(m, backend=name, compile=compile, pages=64, page_size=4, lanes=3,
+                            chunk=16, clock="steps", context=64, shapes="fixed")
+            runs.append([r.tokens for r in chat(engine, conversations=3)])
+        assert runs[0] == runs[1]
+    finally:
+        if name == "torch":
+            dist.destroy_process_group()
 
 
 # -- SmolLM2 (real weights, its chat template) --------------------------------------------------

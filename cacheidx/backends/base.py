@@ -7,8 +7,9 @@ else here has a standard-only default that a backend may replace with a native f
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat as compat
@@ -27,6 +28,9 @@ class Backend:
     compiles: bool = False
     #: whether ``scatter(..., donate=True)`` writes into the caller's memory
     donates: bool = False
+    #: the ways ``jit`` compiles (its ``mode``): ``"compiled"``, the library's compiler with
+    #: static shapes, and any others it has (torch: ``"dynamic"``, ``"automatic"``)
+    modes: tuple[str, ...] = ()
 
     def __init__(self, xp: Any | None = None):
         # resolved now, never lazily inside a traced step (a compiler would guard on it)
@@ -91,9 +95,37 @@ class Backend:
         got = xp.take(pool, safe, axis=0)
         return xp.where(expand(xp, ok, pool.ndim), got, xp.zeros((), dtype=pool.dtype))
 
-    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
-        """Compile ``fn`` where the library has a compiler; eager where it has none."""
+    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+            mode: str = "compiled") -> Callable:
+        """Compile ``fn`` where the library has a compiler (in one of its ``modes``); eager
+        where it has none."""
         return fn
+
+    @contextlib.contextmanager
+    def many_programs(self) -> Iterator[None]:
+        """A context in which one step may compile for many shapes and structures (the law
+        suite feeds each step every law's cases), past the library's usual limits."""
+        yield
+
+    def version(self) -> str | None:
+        """The library's version, read from its imported module."""
+        module = sys.modules.get(self.module or "")
+        return getattr(module, "__version__", None)
+
+    def device_label(self, device: Any) -> str:
+        """``device`` in :mod:`cacheidx.devices`' one spelling: ``cpu``, ``cuda:N``, ..."""
+        return "cpu"
+
+    @contextlib.contextmanager
+    def highest_precision(self) -> Iterator[None]:
+        """A context in which float32 matrix products keep every bit of their inputs (no
+        TF32 or bfloat16 passes), where the library can be told so."""
+        yield
+
+    def matmul_mantissa(self, device: Any) -> int:
+        """Mantissa bits a float32 matrix product keeps of its inputs on ``device`` under the
+        library's defaults: 23 in full precision, 10 under TF32, 7 under bfloat16."""
+        return 23
 
     # -- an engine's step: compiled once per shape, called many times ------------------------
     def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),

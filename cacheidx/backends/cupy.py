@@ -58,5 +58,14 @@ class CupyBackend(Backend):
 
         return [cupy.cuda.Device(i) for i in range(cupy.cuda.runtime.getDeviceCount())]
 
+    def device_label(self, device: Any) -> str:
+        return f"cuda:{int(getattr(device, 'id', device))}"
+
+    def matmul_mantissa(self, device: Any) -> int:
+        import os
+
+        # CuPy multiplies float32 in full precision unless CUPY_TF32 asks for TF32
+        return 10 if os.environ.get("CUPY_TF32", "0") not in ("", "0") else 23
+
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after.data.ptr == before.data.ptr

@@ -8,7 +8,8 @@ tensors are whatever integer dtype they come in: int32 under JAX's default, int6
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any
 
@@ -20,6 +21,7 @@ class JaxBackend(Backend):
     module = "jax"
     compiles = True
     donates = True
+    modes = ("compiled",)
 
     @classmethod
     def _modules(cls) -> tuple[str, ...]:
@@ -51,10 +53,39 @@ class JaxBackend(Backend):
         # one gated load: an index past the pool reads the fill value
         return pool.at[jnp.where(ok, slots, n)].get(mode="fill", fill_value=0)
 
-    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
+    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+            mode: str = "compiled") -> Callable:
+        """``jax.jit``: one program per shape and structure (JAX has no other mode)."""
         import jax
 
+        if mode != "compiled":
+            raise ValueError(f"cacheidx.jit: jax compiles only with static shapes, not {mode!r}")
         return jax.jit(fn, donate_argnums=tuple(donate_argnums))
+
+    def device_label(self, device: Any) -> str:
+        from ..devices import label
+
+        return label(device.platform, device.id)
+
+    @contextlib.contextmanager
+    def highest_precision(self) -> Iterator[None]:
+        import jax
+
+        with jax.default_matmul_precision("highest"):
+            yield
+
+    def matmul_mantissa(self, device: Any) -> int:
+        import jax
+
+        if device.platform == "cpu":
+            return 23
+        chosen = str(jax.config.jax_default_matmul_precision or "default").lower()
+        if chosen in ("highest", "float32", "f32_f32_f32"):
+            return 23
+        if chosen in ("high", "tensorfloat32", "bfloat16_3x"):
+            return 10 if device.platform != "tpu" else 16
+        # DEFAULT: TF32 on CUDA GPUs, one bfloat16 pass on TPUs
+        return 7 if device.platform == "tpu" else 10
 
     def refill(self, buffer: Any, values: Any) -> Any:
         """``values`` as a new array on ``buffer``'s devices (JAX never writes in place outside

@@ -9,8 +9,9 @@ wraps ``-1``; none of that reaches the user: stores go through
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .base import Backend, expand, redirect_dropped
@@ -21,6 +22,7 @@ class TorchBackend(Backend):
     module = "torch"
     compiles = True
     donates = True
+    modes = ("compiled", "dynamic", "automatic")
     #: the torch.compile backend ``jit`` uses; the conformance suite sets it per run
     compiler = "inductor"
 
@@ -67,14 +69,51 @@ class TorchBackend(Backend):
         rows = torch.arange(n, device=slots.device)
         return out.index_fill_(0, torch.where(ok, n, rows), 0)[:n]  # rows read: the spare
 
-    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
-        """``torch.compile(fn, fullgraph=True, dynamic=False)`` with ``compiler`` as its backend.
-        Static shapes: a step compiles once per shape and structure, never per value. Donation
-        is torch's default: a compiled step mutates what it is handed, as eager does, so
-        ``donate_argnums`` has nothing to add."""
+    def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+            mode: str = "compiled") -> Callable:
+        """``torch.compile(fn, fullgraph=True)`` with ``compiler`` as its backend, and shapes
+        static (``mode="compiled"``: one program per shape and structure, never per value),
+        symbolic (``"dynamic"``) or static until a shape changes (``"automatic"``, torch's
+        default). Donation is torch's default: a compiled step mutates what it is handed, as
+        eager does, so ``donate_argnums`` has nothing to add."""
         import torch
 
-        return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False)
+        dynamic = {"compiled": False, "dynamic": True, "automatic": None}[mode]
+        return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=dynamic)
+
+    @contextlib.contextmanager
+    def many_programs(self) -> Iterator[None]:
+        import torch
+
+        with torch._dynamo.config.patch(recompile_limit=4096,
+                                        accumulated_recompile_limit=65536):
+            yield
+
+    def device_label(self, device: Any) -> str:
+        from ..devices import label
+
+        return label(device.type, device.index)
+
+    @contextlib.contextmanager
+    def highest_precision(self) -> Iterator[None]:
+        import torch
+
+        before = torch.get_float32_matmul_precision()
+        cudnn = torch.backends.cudnn.allow_tf32
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+            torch.backends.cudnn.allow_tf32 = cudnn
+
+    def matmul_mantissa(self, device: Any) -> int:
+        import torch
+
+        if device.type == "cpu":  # the CPU kernels compute float32 in float32
+            return 23
+        return {"highest": 23, "high": 10, "medium": 7}[torch.get_float32_matmul_precision()]
 
     def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
                  programs: int = 8) -> Callable:
@@ -96,6 +135,7 @@ class TorchBackend(Backend):
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(*args)
 
+        step._torchdynamo_orig_callable = fn  # where programs() counts them
         return step
 
     def fix(self, x: Any) -> Any:
@@ -136,10 +176,11 @@ class TorchBackend(Backend):
             x, torch._subclasses.fake_tensor.FakeTensor)
 
     def programs(self, jitted: Callable) -> int | None:
-        # dynamo's counters run from the last forget(): count graphs since then
-        from torch._dynamo.utils import counters
+        # dynamo keeps one cache entry per program on the compiled function's code
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        return counters["stats"]["unique_graphs"]
+        fn = getattr(jitted, "_torchdynamo_orig_callable", jitted)
+        return len(_debug_get_cache_entry_list(fn.__code__))
 
     def forget(self) -> None:
         import torch

@@ -1,4 +1,4 @@
-"""``python -m cacheidx.conformance``: the law suite on every backend and device here."""
+"""``python -m cacheidx.conformance``: the law suite on every backend, device and mode here."""
 
 from __future__ import annotations
 
@@ -6,34 +6,53 @@ import argparse
 import datetime
 import json
 import sys
+import time
 
-from .runner import machine, run, table
+from .runner import DeviceMissing, machine, run, table
+from .suite import MODES
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cacheidx.conformance",
                                      description=__doc__)
     parser.add_argument("--backend", action="append", help="run only this backend (repeatable)")
-    parser.add_argument("--device", help="run only devices whose name starts with this "
-                        "(cpu, cuda, cuda:1, gpu)")
+    parser.add_argument("--device", help="run only this device: cpu, gpu, cuda, cuda:N, gpu:N "
+                        "(the same names for every backend; gpu and cuda are the first GPU)")
+    parser.add_argument("--mode", action="append", choices=MODES,
+                        help="run only this mode (repeatable; default: every mode a backend has)")
+    parser.add_argument("--precision", default="highest", choices=["highest", "default", "tf32"],
+                        help="the model laws' matrix products: the library's highest precision "
+                        "(default), its defaults on the device with the tolerance they allow, "
+                        "or TF32 emulated by rounding (see docs/conformance.md)")
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
-    parser.add_argument("--torch-compiler", default="aot_eager",
-                        help="torch.compile backend for the compiled laws (default aot_eager; "
-                        "inductor generates real kernels, ~15 s a law on two cores)")
+    parser.add_argument("--torch-compiler", default=None,
+                        help="torch.compile backend for every compiled mode (default: aot_eager "
+                        "for compiled, eager for dynamic and automatic; inductor generates "
+                        "real kernels, ~15 s a program on two cores)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="worker processes at once (default: one per core; 1 runs here)")
     parser.add_argument("--failures", action="store_true", help="print each failing law")
     args = parser.parse_args(argv)
-    report = run(args.backend, args.device, torch_compiler=args.torch_compiler)
+    start = time.perf_counter()
+    try:
+        report = run(args.backend, args.device, modes=args.mode, precision=args.precision,
+                     torch_compiler=args.torch_compiler, workers=args.jobs)
+    except (DeviceMissing, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    wall = round(time.perf_counter() - start, 2)
     print(table(report))
-    failed = [e for e in report if e["status"] in ("FAIL",) or e["status"].startswith("broken")]
-    if args.failures or failed:
-        for e in failed:
-            for name, outcome in e.get("laws", {}).items():
-                if outcome != "pass":
-                    print(f"\n{e['backend']}/{e['device']} {name}:\n{outcome}")
+    failed = [e for e in report if e["status"] == "FAIL" or e["status"].startswith("broken")]
+    for e in failed if (args.failures or failed) else []:
+        if "error" in e:
+            print(f"\n{e['backend']}/{e['device']}: {e['error']}")
+        for name, outcome in e.get("laws", {}).items():
+            if outcome != "pass":
+                print(f"\n{e['backend']}/{e['device']} {name}:\n{outcome}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
-                       "report": report}, f, indent=2, default=str)
+                       "wall_seconds": wall, "report": report}, f, indent=2, default=str)
     if not any(e["status"] == "pass" for e in report):
         print("no backend ran", file=sys.stderr)
         return 1

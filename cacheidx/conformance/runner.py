@@ -1,41 +1,45 @@
-"""Run the law suite on every backend and device of this machine, eager and compiled."""
+"""Run the law suite on every backend and device of this machine, in every mode.
+
+The work is cut into jobs, one per backend, device and group of modes: eager with the static
+compiler (a compiled run replays each step eagerly anyway, so the two share what the library
+caches per shape), and each other compiled mode alone. Jobs run in worker processes, as many
+at once as the machine has cores, so a backend's compiler caches and settings never leak into
+another's; ``jobs=1`` runs them here, one after another.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .. import backends
-from .suite import LAWS, Case, Law
+from .. import backends, devices
+from .precision import Precision
+from .suite import LAWS, MODES, Case, Session
 
-__all__ = ["targets", "run_one", "run", "table"]
+__all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
 
-_DIST = {"numpy": "numpy", "strict": "array-api-strict", "torch": "torch", "jax": "jax",
-         "cupy": "cupy-cuda12x"}
-
-
-def _version(name: str) -> str | None:
-    try:
-        return version(_DIST.get(name, name))
-    except PackageNotFoundError:
-        return None
+#: the torch.compile backend of each mode unless the caller names one: aot_eager traces
+#: through AOTAutograd's functionalisation; the symbolic-shape modes check what dynamo captures
+#: and how it guards, which its own "eager" backend runs as captured
+TORCH_COMPILERS = {"compiled": "aot_eager", "dynamic": "eager", "automatic": "eager"}
 
 
-def _device_name(device: Any) -> str:
-    text = str(device).lower()
-    if "cpu" in text:
-        return "cpu"
-    return text.replace("cudadevice(id=", "gpu:").rstrip(")")
+class DeviceMissing(ValueError):
+    """``--device`` names a device no backend here has."""
 
 
 def targets(names: list[str] | None = None, device: str | None = None) -> list[dict]:
-    """Every (backend, device) to run, with the reason where one cannot run."""
-    out = []
+    """Every (backend, device) to run, with the reason where one cannot run. Raises
+    :class:`DeviceMissing` (listing what was found) when ``device`` names no device here."""
+    want = devices.canonical(device) if device is not None else None
+    out, found = [], {}
     for name in names or backends.names():
         try:
             cls = backends._class(name)
@@ -44,29 +48,41 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
             continue
         ok, why = cls.usable()
         if not ok:
-            out.append({"backend": name, "device": "cuda" if name == "cupy" else "-",
-                        "status": f"no device: {why}" if name == "cupy" else f"skipped: {why}"})
+            out.append({"backend": name, "device": want or "-", "status": f"skipped: {why}"})
             continue
         backend = backends.get(name)
-        found = backend.devices()
-        if name in ("torch", "jax") and not any(
-                _device_name(d).startswith(("cuda", "gpu")) for d in found):
-            out.append({"backend": name, "device": "cuda" if name == "torch" else "gpu",
-                        "status": "no device: no CUDA device visible to " + name})
-        for d in found:
-            label = _device_name(d)
-            if device is None or label == device or label.startswith(device):
-                out.append({"backend": name, "device": label, "status": "run", "_device": d})
+        labels = {}
+        for d in backend.devices():
+            labels.setdefault(backend.device_label(d), d)  # every host device is one "cpu"
+        found[name] = list(labels)
+        if want is None and not any(label.startswith("cuda") for label in labels):
+            if name in ("torch", "jax", "cupy"):
+                out.append({"backend": name, "device": "cuda", "status":
+                            f"no device: no CUDA device visible to {name}"})
+        for label in labels:
+            if want is None or label == want:
+                out.append({"backend": name, "device": label, "status": "run"})
+        if want is not None and want not in labels:
+            out.append({"backend": name, "device": want,
+                        "status": f"no device: {name} has {', '.join(labels)}"})
+    if want is not None and not any(t["status"] == "run" for t in out):
+        raise DeviceMissing(f"cacheidx.conformance: no device {device!r} here; found "
+                            f"{devices.found(found)}")
     return out
 
 
-def run_one(law: Law, backend: backends.Backend, device: Any, compiled: bool,
-            facts: dict | None = None) -> str | None:
-    """The failure of ``law`` in this case as text, ``None`` when it holds; what the law
-    measured goes into ``facts``."""
-    if compiled:
-        backend.forget()
-    case = Case(backend, device, compiled)
+def jobs(target: dict, modes: list[str] | None = None) -> list[list[str]]:
+    """The groups of modes a target runs in, one worker each."""
+    backend = backends.get(target["backend"])
+    have = [m for m in MODES if m == "eager" or m in backend.modes]
+    if modes:
+        have = [m for m in have if m in modes]
+    first = [m for m in have if m in ("eager", "compiled")]
+    return ([first] if first else []) + [[m] for m in have if m not in first]
+
+
+def run_one(law: Any, case: Case) -> str | None:
+    """The failure of ``law`` in ``case`` as text, ``None`` when it holds."""
     try:
         with warnings.catch_warnings():
             # dynamo notes each lru_cache it traces through inside array-api-compat
@@ -74,70 +90,167 @@ def run_one(law: Law, backend: backends.Backend, device: Any, compiled: bool,
             law(case)
     except Exception:
         return traceback.format_exc(limit=-3)
-    finally:
-        if facts is not None:
-            facts.update(case.facts)
     return None
 
 
-def run(names: list[str] | None = None, device: str | None = None, *,
-        torch_compiler: str = "aot_eager", progress: Any = sys.stderr) -> list[dict]:
-    """The report: one entry per backend and device. ``torch_compiler`` is the backend
-    ``torch.compile`` runs the compiled laws with (``inductor`` generates real kernels and
-    takes about 15 s a law on two cores)."""
-    report = []
-    for target in targets(names, device):
-        entry = {k: v for k, v in target.items() if not k.startswith("_")}
-        entry["version"] = _version(target["backend"])
-        if target["status"] != "run":
-            report.append(entry)
-            continue
-        backend = backends.get(target["backend"])
+def run_job(name: str, device: str, modes: list[str], *, precision: str = "highest",
+            torch_compiler: str | None = None, progress: Any = None) -> dict:
+    """Every law on one backend and device in each of ``modes``: outcomes, facts and times."""
+    backend = backends.get(name)
+    where = devices.resolve(backend, device)
+    policy = Precision.named(precision, backend, where)
+    out = {"backend": name, "device": device, "version": backend.version(), "modes": {},
+           "precision": policy.report(backend, where)}
+    for mode in modes:
         if hasattr(backend, "compiler"):
-            backend.compiler = torch_compiler
-        modes = [False, True] if backend.compiles else [False]
-        entry.update(compiler=getattr(backend, "compiler", "jit") if backend.compiles
-                     else "none (eager only)", laws={}, passed=0, failed=0)
-        facts: dict = {}
-        start = time.perf_counter()
-        if progress:
-            print(f"{backend.name}/{entry['device']}: ", end="", file=progress, flush=True)
-        for law in LAWS:
-            for compiled in modes:
-                if not law.runs(compiled):
+            backend.compiler = torch_compiler or TORCH_COMPILERS.get(mode, "aot_eager")
+        backend.forget()
+        session = Session(policy=policy)
+        laws, facts, took = {}, {}, {}
+        start, cpu = time.perf_counter(), time.process_time()
+        with backend.many_programs(), policy.applied(backend):
+            for law in LAWS:
+                if not law.runs(mode):
                     continue
-                key = f"{law.name}[{'compiled' if compiled else 'eager'}]"
-                failure = run_one(law, backend, target["_device"], compiled, facts)
-                entry["laws"][key] = "pass" if failure is None else failure
-                entry["passed" if failure is None else "failed"] += 1
+                case = Case(backend, where, mode=mode, session=session)
+                began = time.process_time()
+                failure = run_one(law, case)
+                took[law.name] = round(time.process_time() - began, 3)
+                laws[law.name] = "pass" if failure is None else failure
+                facts.update(case.facts)
                 if progress:
                     print("." if failure is None else "F", end="", file=progress, flush=True)
-        entry["seconds"] = round(time.perf_counter() - start, 2)
-        compiled_laws = [k for k in entry["laws"] if k.endswith("[compiled]")]
-        entry["eager_equals_compiled"] = (all(entry["laws"][k] == "pass" for k in compiled_laws)
-                                          if compiled_laws else "no compiler")
-        entry.update(facts)
-        entry["status"] = "pass" if entry["failed"] == 0 else "FAIL"
-        if progress:
-            print(f" {entry['status']} ({entry['seconds']} s)", file=progress, flush=True)
-        report.append(entry)
+        out["modes"][mode] = {
+            "laws": laws, "facts": facts, "law_cpu_seconds": took,
+            "compiler": (getattr(backend, "compiler", "jit") if mode != "eager" else "none"),
+            "seconds": round(time.perf_counter() - start, 2),
+            "cpu_seconds": round(time.process_time() - cpu, 2)}
+    return out
+
+
+def _spawn(name: str, device: str, modes: list[str], options: dict) -> subprocess.Popen:
+    spec = json.dumps({"backend": name, "device": device, "modes": modes, **options})
+    return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker", spec],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run(names: list[str] | None = None, device: str | None = None, *,
+        modes: list[str] | None = None, precision: str = "highest",
+        torch_compiler: str | None = None, workers: int | None = None,
+        progress: Any = sys.stderr) -> list[dict]:
+    """The report: one entry per backend and device, each mode's laws in it."""
+    found = targets(names, device)
+    todo = [(t, group) for t in found if t["status"] == "run" for group in jobs(t, modes)]
+    options = {"precision": precision, "torch_compiler": torch_compiler}
+    workers = workers or os.cpu_count() or 1
+    results: dict[tuple[str, str], list[dict]] = {}
+    say = (lambda msg: print(msg, file=progress, flush=True)) if progress else (lambda m: None)
+    start = time.perf_counter()
+    if workers == 1:
+        for t, group in todo:
+            label = f"{t['backend']}/{t['device']} {'+'.join(group)}"
+            say(f"{label}: running")
+            job = run_job(t["backend"], t["device"], group, **options)
+            results.setdefault((t["backend"], t["device"]), []).append(job)
+            say(f"{label}: {_summary(job)}")
+    else:
+        # the longest jobs first (compiled modes, then jax), so the cores stay busy
+        pending = sorted(todo, key=lambda j: (len(j[1]) > 1, j[0]["backend"] == "jax",
+                                              j[0]["backend"] not in ("numpy", "strict")),
+                         reverse=True)
+        running: list[tuple[dict, list[str], subprocess.Popen, float]] = []
+        while pending or running:
+            while pending and len(running) < workers:
+                t, group = pending.pop(0)
+                say(f"{t['backend']}/{t['device']} {'+'.join(group)}: running")
+                running.append((t, group, _spawn(t["backend"], t["device"], group, options),
+                                time.perf_counter()))
+            time.sleep(0.05)
+            for item in [r for r in running if r[2].poll() is not None]:
+                running.remove(item)
+                t, group, proc, began = item
+                out, err = proc.communicate()
+                job = _read(out, err, t, group, proc.returncode)
+                job["wall_seconds"] = round(time.perf_counter() - began, 2)
+                results.setdefault((t["backend"], t["device"]), []).append(job)
+                say(f"{t['backend']}/{t['device']} {'+'.join(group)}: {_summary(job)}")
+    report = []
+    for t in found:
+        if t["status"] != "run":
+            report.append(dict(t))
+            continue
+        report.append(_entry(t, results.get((t["backend"], t["device"]), [])))
+    say(f"all jobs: {time.perf_counter() - start:.1f} s")
     return report
+
+
+def _read(out: str, err: str, t: dict, group: list[str], code: int) -> dict:
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        tail = (err or out or "").strip()[-2000:]
+        return {"backend": t["backend"], "device": t["device"], "modes": {},
+                "error": f"the worker for {'+'.join(group)} ended with {code}:\n{tail}"}
+
+
+def _summary(job: dict) -> str:
+    if "error" in job:
+        return "BROKEN"
+    laws = [o for m in job["modes"].values() for o in m["laws"].values()]
+    bad = sum(o != "pass" for o in laws)
+    took = sum(m["seconds"] for m in job["modes"].values())
+    return f"{len(laws) - bad}/{len(laws)} {'pass' if not bad else 'FAIL'} ({took:.1f} s)"
+
+
+def _entry(target: dict, results: list[dict]) -> dict:
+    """One row of the report from a target's jobs."""
+    entry = {"backend": target["backend"], "device": target["device"], "laws": {},
+             "passed": 0, "failed": 0, "modes": {}}
+    for job in results:
+        entry.setdefault("version", job.get("version"))
+        entry.setdefault("precision", job.get("precision"))
+        if "error" in job:
+            entry["error"] = entry.get("error", "") + job["error"]
+            entry["failed"] += 1
+        for mode, m in job["modes"].items():
+            for name, outcome in m["laws"].items():
+                entry["laws"][f"{name}[{mode}]"] = outcome
+                entry["passed" if outcome == "pass" else "failed"] += 1
+            entry["modes"][mode] = {k: m[k] for k in ("compiler", "seconds", "cpu_seconds",
+                                                       "facts")}
+    entry["seconds"] = round(sum(m["seconds"] for m in entry["modes"].values()), 2)
+    compiled = {k: v for k, v in entry["laws"].items() if not k.endswith("[eager]")}
+    entry["eager_equals_compiled"] = (all(v == "pass" for v in compiled.values())
+                                      if compiled else "no compiler")
+    entry["status"] = "pass" if entry["failed"] == 0 and entry["laws"] else "FAIL"
+    return entry
 
 
 def table(report: list[dict]) -> str:
     """The report as a Markdown table, one row per backend and device."""
-    lines = ["| backend | device | version | compiler | laws passed | failed | eager = compiled "
-             "| donated in place | programs for 4 allocations | time (s) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | device | version | modes (compiler) | laws passed | failed "
+             "| eager = compiled | donated in place | programs for 4 allocations | time (s) "
+             "| status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report:
-        cells = [e["backend"], e["device"], e.get("version") or "-", e.get("compiler", "-"),
+        modes = ", ".join(f"{m}" + (f" ({v['compiler']})" if v["compiler"] != "none" else "")
+                          for m, v in e.get("modes", {}).items()) or "-"
+        modes_ = e.get("modes", {})
+        donation = modes_.get("eager", {}).get("facts", {}).get("donation in place", "-")
+        programs = [f"{v['facts']['programs for 4 allocations']}" for m, v in modes_.items()
+                    if "programs for 4 allocations" in v["facts"]]
+        cells = [e["backend"], e["device"], e.get("version") or "-", modes,
                  e.get("passed", "-"), e.get("failed", "-"), e.get("eager_equals_compiled", "-"),
-                 e.get("donation in place", "-"), e.get("programs for 4 allocations", "-"),
-                 e.get("seconds", "-"), e["status"]]
+                 donation, ", ".join(programs) or "-", e.get("seconds", "-"), e["status"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mine = version("cacheidx")
+    except PackageNotFoundError:
+        mine = None
     return {"python": platform.python_version(), "platform": platform.platform(),
-            "processor": platform.machine(), "cacheidx": _version("cacheidx")}
+            "processor": platform.machine(), "cores": os.cpu_count(), "cacheidx": mine}

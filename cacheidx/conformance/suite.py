@@ -1,9 +1,15 @@
-"""The law suite's frame: a registry of laws, and the case (backend, device, eager or
-compiled) each law runs in.
+"""The law suite's frame: a registry of laws, and the case (backend, device, mode) each law
+runs in.
 
 A law is a function of a :class:`Case` that raises ``AssertionError`` when the law breaks. It
-builds its arrays with ``case.array`` and runs its computation through ``case.call``, which
-in compiled mode runs it both eagerly and compiled and demands they agree bit for bit.
+builds its arrays with ``case.array`` and runs its computation through ``case.call``, which in a
+compiled mode runs it both eagerly and compiled and demands they agree bit for bit.
+
+A mode is ``"eager"`` or one of the backend's ``jit`` modes (``"compiled"``: static shapes;
+torch also ``"dynamic"`` and ``"automatic"``). The cases of one run share a :class:`Session`:
+one compiled step per step function, fed every law's shapes and structures, so a run compiles
+each (step, structure, shape) once and automatic dynamic shapes meet many batch sizes and
+context widths, as a served model's step does.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ from typing import Any
 import numpy as np
 
 from .. import backends
+from .precision import Precision
 
-__all__ = ["Case", "Law", "LAWS", "law", "agree"]
+__all__ = ["Case", "Law", "LAWS", "MODES", "Session", "law", "agree"]
+
+#: every mode a law can run in, in the order a run takes them
+MODES = ("eager", "compiled", "dynamic", "automatic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +37,9 @@ class Law:
     eager_only: bool = False
     compiled_only: bool = False
 
-    def runs(self, compiled: bool) -> bool:
-        """Whether the law has something to check eagerly, or compiled."""
+    def runs(self, mode: str | bool) -> bool:
+        """Whether the law has something to check in ``mode`` (``True``: any compiled one)."""
+        compiled = mode not in ("eager", False)
         return not (self.eager_only and compiled or self.compiled_only and not compiled)
 
     def __call__(self, case: Case) -> None:
@@ -52,15 +63,47 @@ def law(fn: Callable | None = None, *, eager_only: bool = False,
 
 
 @dataclasses.dataclass
-class Case:
-    """Where a law runs: a backend, a device, eagerly or compiled."""
+class Session:
+    """What the cases of one run (backend, device, mode) share: the compiled steps, the model
+    laws' reference outputs and the numerical policy."""
 
-    backend: backends.Backend
-    device: Any = None
-    compiled: bool = False
-    #: what a law measured beside passing (compile counts, donation), for the report
-    facts: dict = dataclasses.field(default_factory=dict)
-    _jitted: dict = dataclasses.field(default_factory=dict, repr=False)
+    policy: Precision = dataclasses.field(default_factory=Precision.highest)
+    steps: dict = dataclasses.field(default_factory=dict)
+    memo: dict = dataclasses.field(default_factory=dict)
+
+
+class Case:
+    """Where a law runs: a backend, a device and a mode (``compiled=True``: the backend's
+    static-shape compiler), in a session shared with the other laws of the run."""
+
+    def __init__(self, backend: backends.Backend, device: Any = None, compiled: bool = False,
+                 *, mode: str | None = None, session: Session | None = None):
+        mode = mode or ("compiled" if compiled else "eager")
+        if mode != "eager" and mode not in backend.modes:
+            raise ValueError(f"cacheidx.conformance: {backend.name} has no mode {mode!r} (it "
+                             f"has eager and {list(backend.modes)})")
+        self.backend, self.device, self.mode = backend, device, mode
+        self.session = session if session is not None else Session()
+        #: what a law measured beside passing (compile counts, donation), for the report
+        self.facts: dict = {}
+
+    def __repr__(self) -> str:
+        return f"Case({self.backend.name}, {self.device}, {self.mode})"
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode != "eager"
+
+    @property
+    def policy(self) -> Precision:
+        return self.session.policy
+
+    def jit(self, fn: Callable) -> Callable:
+        """``fn`` compiled in this case's mode, once per session."""
+        jitted = self.session.steps.get(fn)
+        if jitted is None:
+            jitted = self.session.steps[fn] = self.backend.jit(fn, mode=self.mode)
+        return jitted
 
     @property
     def xp(self) -> Any:
@@ -110,10 +153,7 @@ class Case:
         eager = fn(*args)
         if not self.compiled:
             return eager
-        jitted = self._jitted.get(fn)
-        if jitted is None:
-            jitted = self._jitted[fn] = self.backend.jit(fn)
-        compiled = jitted(*args)
+        compiled = self.jit(fn)(*args)
         agree(self, eager, compiled, what=getattr(fn, "__name__", "step"), tol=tol)
         return compiled
 

@@ -26,6 +26,7 @@ __all__ = [
     "attend",
     "empty_pools",
     "forward",
+    "matmul",
     "random_params",
     "rms_norm",
     "rotate",
@@ -46,6 +47,9 @@ class Config:
     rope_base: float = 10000.0
     eps: float = 1e-5
     tied: bool = True
+    #: mantissa bits every matrix product keeps of its inputs; ``None`` keeps what the
+    #: library keeps. 10 makes a CPU multiply as a GPU does under TF32 (a numerical check).
+    matmul_mantissa: int | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -57,6 +61,9 @@ class Config:
             )
         if self.head_dim % 2:
             raise ValueError(f"cacheidx.models.llama.Config: head_dim {self.head_dim} is odd")
+        if self.matmul_mantissa is not None and not 0 < self.matmul_mantissa <= 23:
+            raise ValueError("cacheidx.models.llama.Config: matmul_mantissa must be 1 to 23, "
+                             f"got {self.matmul_mantissa}")
 
     @classmethod
     def tiny(cls, **overrides) -> Config:
@@ -164,6 +171,18 @@ def _device(x):
     return device(x)
 
 
+def matmul(a, b, mantissa: int | None = None):
+    """``a @ b``, its inputs first rounded to ``mantissa`` bits when given (as TF32 keeps 10).
+
+    The rounding is Veltkamp's split, ``c - (c - x)`` with ``c = x * (2**(23 - mantissa) + 1)``:
+    arithmetic alone, so it runs in any namespace and under any compiler."""
+    if mantissa is None or mantissa >= 23:
+        return a @ b
+    k = float(2 ** (23 - mantissa) + 1)
+    ca, cb = a * k, b * k
+    return (ca - (ca - a)) @ (cb - (cb - b))
+
+
 def rms_norm(x, weight, eps, *, xp=None):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis."""
     xp = xp or array_namespace(x, weight)
@@ -199,7 +218,7 @@ def rotate(x, cos, sin, *, xp=None):
     return x * cos + turned * sin
 
 
-def attend(q, seen_k, seen_v, mask, *, xp=None):
+def attend(q, seen_k, seen_v, mask, *, xp=None, mantissa=None):
     """Grouped-query attention of ``q`` over ``seen`` keys and values under ``mask``.
 
     ``q`` is ``[batch, seq, heads, head_dim]``. Without a selection ``seen_*`` are
@@ -207,6 +226,7 @@ def attend(q, seen_k, seen_v, mask, *, xp=None):
     selection they are ``[batch, seq, k, kv_heads, head_dim]`` and ``[batch, seq, k]``. The mask is
     the same for every head. A query that sees no column gets an output of exactly zero: the
     softmax is taken over the seen columns only, with its maximum and its sum guarded.
+    ``mantissa`` is :func:`matmul`'s.
     """
     xp = xp or array_namespace(q, seen_k, seen_v, mask)
     b, s, heads, d = q.shape
@@ -220,20 +240,21 @@ def attend(q, seen_k, seen_v, mask, *, xp=None):
         kt = xp.permute_dims(seen_k, (0, 2, 3, 1))
         vh = xp.permute_dims(seen_v, (0, 2, 1, 3))
         c = kt.shape[-1]
-        scores = xp.reshape(qh @ kt, (b, kv, g, s, c)) * scale
+        scores = xp.reshape(matmul(qh, kt, mantissa), (b, kv, g, s, c)) * scale
         m = mask[:, None, None, :, :]
         weights = _masked_softmax(xp, scores, m)
-        out = xp.reshape(xp.reshape(weights, (b, kv, g * s, c)) @ vh, (b, kv, g, s, d))
+        out = xp.reshape(matmul(xp.reshape(weights, (b, kv, g * s, c)), vh, mantissa),
+                         (b, kv, g, s, d))
         out = xp.permute_dims(out, (0, 3, 1, 2, 4))  # [b, s, kv, g, d]
     else:
         # per token: [b, s, kv, g, d] @ [b, s, kv, d, k] -> [b, s, kv, g, k]
         qh = xp.reshape(q, (b, s, kv, g, d))
         kt = xp.permute_dims(seen_k, (0, 1, 3, 4, 2))
         vh = xp.permute_dims(seen_v, (0, 1, 3, 2, 4))
-        scores = (qh @ kt) * scale
+        scores = matmul(qh, kt, mantissa) * scale
         m = mask[:, :, None, None, :]
         weights = _masked_softmax(xp, scores, m)
-        out = weights @ vh  # [b, s, kv, g, d]
+        out = matmul(weights, vh, mantissa)  # [b, s, kv, g, d]
     return xp.reshape(out, (b, s, heads * d))
 
 
@@ -246,29 +267,39 @@ def _masked_softmax(xp, scores, mask):
     return e / xp.where(total > 0, total, 1.0)
 
 
-def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None):
+def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None, reduce=None):
     """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
-    one matrix product): returns ``(x, (k_pool, v_pool))``."""
+    one matrix product): returns ``(x, (k_pool, v_pool))``. ``reduce``, when given, is applied
+    to the attention's and the MLP's output projections before each joins the residual: under
+    tensor parallelism it sums every rank's part (``cacheidx.parallel``)."""
     xp = xp or array_namespace(x)
     c = config
+    m = c.matmul_mantissa
     b, s = cos.shape[0], cos.shape[1]
     h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
-    q = xp.reshape(h @ p["wq"], (b, s, c.heads, c.head_dim))
-    k = xp.reshape(h @ p["wk"], (b, s, c.kv_heads, c.head_dim))
-    v = xp.reshape(h @ p["wv"], (b, s, c.kv_heads, c.head_dim))
+    q = xp.reshape(matmul(h, p["wq"], m), (b, s, c.heads, c.head_dim))
+    k = xp.reshape(matmul(h, p["wk"], m), (b, s, c.kv_heads, c.head_dim))
+    v = xp.reshape(matmul(h, p["wv"], m), (b, s, c.kv_heads, c.head_dim))
     q = rotate(q, cos, sin, xp=xp)
     k = rotate(k, cos, sin, xp=xp)
     kpool, vpool = pools
     seen_k, kpool = index.extend(k, kpool, donate=donate)
     seen_v, vpool = index.extend(v, vpool, donate=donate)
-    o = attend(q, seen_k, seen_v, index.mask(), xp=xp)
-    x = x + xp.reshape(o, (b * s, c.heads * c.head_dim)) @ p["wo"]
+    o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
+    reduce = reduce or _same
+    x = x + reduce(matmul(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"], m))
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
-    x = x + (_silu(h @ p["w_gate"], xp) * (h @ p["w_up"])) @ p["w_down"]
+    x = x + reduce(matmul(_silu(matmul(h, p["w_gate"], m), xp) * matmul(h, p["w_up"], m),
+                          p["w_down"], m))
     return x, (kpool, vpool)
 
 
-def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False):
+def _same(x):
+    return x
+
+
+def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False,
+            reduce=None):
     """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
 
     ``pools`` holds one ``(k_pool, v_pool)`` per layer, each ``[slots, kv_heads, head_dim]``
@@ -276,6 +307,8 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     come back as they were. With ``donate=True`` the pools are given up to ``index.extend``, which
     may write into their memory. With ``last=True`` only the last token's logits are computed
     (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
+    ``reduce`` sums the ranks' parts of every layer's two output projections under tensor
+    parallelism (:func:`layer`; ``cacheidx.parallel`` shards ``params`` and ``config``).
     """
     # the index's namespace where it names one (resolved once, outside any compiled step)
     xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
@@ -286,12 +319,12 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
-        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp)
+        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
         s = 1
     x = rms_norm(x, params["norm"], c.eps, xp=xp)
     head = params["out"] if not c.tied else xp.matrix_transpose(embed)
-    logits = x @ head
+    logits = matmul(x, head, c.matmul_mantissa)
     return xp.reshape(logits, (b, s, logits.shape[-1])), out

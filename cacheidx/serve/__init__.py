@@ -5,10 +5,10 @@
 """
 
 from .engine import Engine
-from .model import LlamaModel, Model
+from .model import LlamaModel, Model, ShardedModel
 from .requests import Request, Result, read_requests
 from .scheduler import Batch, Lane, Scheduler
 from .step import Step
 
 __all__ = ["Batch", "Engine", "Lane", "LlamaModel", "Model", "Request", "Result", "Scheduler",
-           "Step", "read_requests"]
+           "ShardedModel", "Step", "read_requests"]

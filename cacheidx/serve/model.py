@@ -8,10 +8,14 @@ from typing import Any, Protocol
 
 from ..models import llama
 
-__all__ = ["LlamaModel", "Model"]
+__all__ = ["LlamaModel", "Model", "ShardedModel"]
 
 
 class Model(Protocol):
+    """What the engine calls. A model may also say where the call's inputs go (``device``,
+    instead of the engine's ``device`` name) and how to read an output on the host
+    (``host``)."""
+
     def place(self, xp: Any, device: Any) -> Any:
         """The weights as arrays of namespace ``xp`` on ``device``."""
 
@@ -39,4 +43,39 @@ class LlamaModel:
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         logits, pools = llama.forward(weights, self.config, tokens, index, pools, donate=True,
                                       last=True)
+        return logits[:, 0, :], pools
+
+
+class ShardedModel:
+    """A Llama decoder split over a tensor-parallel ``group`` (:func:`cacheidx.parallel.group`):
+    each rank places its share of the heads and hidden units (``group.shard``) and its pools,
+    the call runs under ``group.map`` (every rank, or every device of a JAX mesh, on its own
+    share) and each layer's parts are summed by ``group.reduce``. Every rank reads the same
+    index, placed where the group says (``device``); the logits come back whole."""
+
+    def __init__(self, config: llama.Config, params: Any, group: Any):
+        self.config, self.params, self.group = config, params, group
+        self.local = config  # one rank's config, once placed
+        self._forward = group.map(self._share)
+
+    @property
+    def device(self) -> Any:
+        return self.group.replicated
+
+    def host(self, x: Any) -> Any:
+        return self.group.host(x)
+
+    def place(self, xp: Any, device: Any) -> Any:
+        self.local, weights = self.group.shard(self.config, self.params)
+        return weights
+
+    def pools(self, weights: Any, slots: int) -> Any:
+        return self.group.pools(self.local, slots, like=weights["embed"])
+
+    def _share(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
+        return llama.forward(weights, self.local, tokens, index, pools, donate=True, last=True,
+                             reduce=self.group.reduce)
+
+    def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
+        logits, pools = self._forward(weights, tokens, index, pools)
         return logits[:, 0, :], pools

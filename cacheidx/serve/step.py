@@ -86,7 +86,10 @@ class Step:
                              f"'fixed', got {shapes!r}")
         be = ci.backends.get(backend)
         self.backend, self.xp = be, be.xp
-        self.device = devices.resolve(be, device)
+        # a model placed by its own rules (a tensor-parallel group) says where inputs go
+        placed = getattr(model, "device", None)
+        self.device = placed if placed is not None else devices.resolve(be, device)
+        self._host = getattr(model, "host", None) or to_host
         self.compiled = bool(compile)
         self.lanes, self.chunk, self.P, self.shapes_of = lanes, chunk, page_size, shapes
         self.keep_logits = keep_logits
@@ -156,8 +159,8 @@ class Step:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
             self._fed = _Fed(key, chosen, nxt)
         self.pools = _tree(self.backend.refill, self.pools, pools) if self.compiled else pools
-        out = to_host(chosen).reshape(-1)[:lanes]
-        kept = to_host(logits)[:lanes] if self.keep_logits else None
+        out = self._host(chosen).reshape(-1)[:lanes]
+        kept = self._host(logits)[:lanes] if self.keep_logits else None
         return out, kept, new
 
     def _put(self, name: str, host: np.ndarray, device: Any = None) -> Any:
