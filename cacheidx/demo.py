@@ -170,9 +170,12 @@ def serve(
 
 
 def _label(step) -> str:
+    spread = getattr(step.device, "device_set", None)  # a placement over a mesh
+    if spread is not None and len(spread) > 1:
+        return f"{len(spread)} devices"
     try:
         return step.backend.device_label(step.device)
-    except AttributeError:  # a placement that is no one device (a mesh)
+    except AttributeError:
         return str(step.device)
 
 

@@ -152,6 +152,7 @@ class Step:
                         self._table_of(table, columns, version),
                         row=self._put("row", rows))
         tokens_in = self._put("tokens", tokens, fed and fed.tokens)
+        self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":
             chosen, logits, pools = self._prefill(self.weights, tokens_in, index, self.pools)
             self._fed = None
