@@ -143,19 +143,22 @@ requests_ = st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), mi
 @settings(max_examples=40)
 @given(stems=st.lists(stems, min_size=3, max_size=3), drawn=requests_,
        page_size=st.integers(1, 4), pages=st.integers(1, 14), lanes=st.integers(1, 4),
-       chunk=st.integers(1, 6), stop=st.sets(st.integers(0, V - 1), max_size=20))
+       chunk=st.integers(1, 6), stop=st.sets(st.integers(0, V - 1), max_size=20),
+       shapes=st.sampled_from(["exact", "buckets", "fixed"]))
 def test_every_request_gets_its_own_tokens_whatever_arrives_when(stems, drawn, page_size,
-                                                                pages, lanes, chunk, stop):
-    """Random prompts sharing prefixes, random arrival steps, pool, page, lane and chunk sizes:
-    with the cache and without, each request's tokens are those it gets alone (or it fails,
-    exactly when the pool cannot hold it); nothing leaks; the cache computes no more."""
+                                                                pages, lanes, chunk, stop,
+                                                                shapes):
+    """Random prompts sharing prefixes, random arrival steps, pool, page, lane and chunk sizes,
+    calls padded to buckets or one fixed shape: with the cache and without, each request's
+    tokens are those it gets alone (or it fails, exactly when the pool cannot hold it);
+    nothing leaks; the cache computes no more."""
     model = Ledger()
     requests = [Request(i, stems[s] + tail, new, arrival=at, stop=stop)
                 for i, (s, tail, new, at) in enumerate(drawn)]
     computed = {}
     for cache in (True, False):
         engine = Engine(model=model, pages=pages, page_size=page_size, lanes=lanes,
-                        chunk=chunk, cache=cache, clock="steps")
+                        chunk=chunk, cache=cache, clock="steps", shapes=shapes)
         results = engine.run(requests)
         for request, result in zip(requests, results, strict=True):
             if pages_for(request, page_size) > pages:
