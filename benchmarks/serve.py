@@ -372,6 +372,8 @@ def main(argv=None) -> int:
                 print(f"| {r['engine']} | {r['requests']} | {r['computed']:,} of "
                       f"{r['prompt_tokens']:,} | {r['generated']} | {r['seconds']:.1f} | "
                       f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
+            print(f"\ntransformers' greedy answers equal cacheidx's for {e2e[-1]['same_answers']} "
+                  f"of {e2e[-1]['requests']} requests.")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
