@@ -1,9 +1,9 @@
 """The continuous-batching engine: requests arrive over time, share what the prefix cache
 holds, and run together, each step one prefill call and one decode call through the index.
 
->>> engine = Engine(LlamaModel(config, params), backend="torch", device="cuda", pages=512)
->>> results = engine.run(requests)          # Request objects; results in the same order
->>> engine.figures()["computed_tokens"]     # prompt tokens computed: the rest were cached
+    engine = Engine(LlamaModel(config, params), backend="torch", device="cuda", pages=512)
+    results = engine.run(requests)          # Request objects; results in the same order
+    engine.figures()["computed_tokens"]     # prompt tokens computed: the rest were cached
 
 Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
 
