@@ -91,10 +91,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.backend}{', ' + args.device if args.device else ''}"
         f"{', compiled' if compile else ''}; {pages} pages of {args.page_size} tokens, "
         f"cache {'off' if args.no_cache else 'on'}")
+    # compiled, one shape for each kind of call (two programs to build, which for 30 layers
+    # is most of a short run), as wide as the longest request the pool holds
+    totals = [len(r.prompt) + r.max_new_tokens - 1 for r in requests]
+    fits = [t for t in totals if -(-t // args.page_size) <= pages]
+    context = max(fits) if compile and fits else None
     try:
         engine = Engine(LlamaModel(config, params), backend=args.backend, device=args.device,
                         compile=compile, pages=pages, page_size=args.page_size,
-                        lanes=args.lanes, chunk=args.chunk, cache=not args.no_cache)
+                        lanes=args.lanes, chunk=args.chunk, cache=not args.no_cache,
+                        shapes="fixed" if compile else None, context=context)
     except ValueError as e:  # an unknown backend or device, a bad size: say what exists
         say(str(e))
         return 2
