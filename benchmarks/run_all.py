@@ -1,10 +1,10 @@
 """Run every benchmark in this folder and write ``docs/performance.md`` with tables and PNG plots.
 
 Each benchmark present (``extend.py``, ``extend_jax.py``, ``extend_torch.py``, ``prefix.py``,
-``decode.py``, then any other ``*.py`` here) runs in its own process with ``--json``; its
-printed Markdown tables and plots drawn from its JSON go into the page, with the machine and the
-date. A benchmark that is missing or fails is said so on the page. Nothing on the page is typed
-by hand.
+``decode.py``, ``serve.py``, then any other ``*.py`` here) runs in its own process with
+``--json``; its printed Markdown tables and plots drawn from its JSON go into the page, with the
+machine and the date. A benchmark that is missing or fails is said so on the page. Nothing on
+the page is typed by hand.
 
     python benchmarks/run_all.py [--quick] [--only NAME ...] [--timeout S] [--out PATH]
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-KNOWN = ["extend.py", "extend_jax.py", "extend_torch.py", "prefix.py", "decode.py"]
+KNOWN = ["extend.py", "extend_jax.py", "extend_torch.py", "prefix.py", "decode.py", "serve.py"]
 
 
 def benchmarks(where: Path = HERE) -> list[tuple[str, str, bool]]:
@@ -236,6 +236,19 @@ def plots(stem: str, data, img: Path) -> list[str]:
         ax.set_title(f"{stem}: cost against pool slots")
         ax.legend(fontsize=7)
         save(fig, "slots")
+    loads = data.get("workloads")
+    if isinstance(loads, list) and loads and {"workload", "run", "computed"} <= set(loads[0]):
+        names = list(dict.fromkeys(r["workload"] for r in loads))
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            rows = [r for r in loads if r["workload"] == name]
+            ax.barh([r["run"] for r in rows], [r["computed"] for r in rows], color="#3070b0")
+            ax.invert_yaxis()
+            ax.set_xlabel("prompt tokens computed")
+            ax.set_title(name)
+            ax.tick_params(axis="y", labelsize=7)
+        fig.suptitle(f"{stem}: the prefix cache against no cache, LRU and the ideal")
+        save(fig, "tokens")
     report = data.get("report")
     if isinstance(report, dict) and {"tokens", "computed", "minimum"} <= set(report):
         fig, ax = plt.subplots(figsize=(6, 3.2))

@@ -52,7 +52,7 @@ def test_run_all_writes_a_page_of_real_figures(tmp_path):
                           str(bench), "--out", str(page)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr  # broken.py failed
-    assert "[1/6] extend.py" in out.stdout  # progress: 5 known benchmarks and broken.py
+    assert "[1/7] extend.py" in out.stdout  # progress: 6 known benchmarks and broken.py
     text = page.read_text()
     assert "## Machine" in text and "date (UTC)" in text
     assert "| decode | 1.5 |" in text  # the benchmark's own table

@@ -132,6 +132,27 @@ class Backend:
         library's defaults: 23 in full precision, 10 under TF32, 7 under bfloat16."""
         return 23
 
+    # -- an engine's step: compiled once per shape, called many times ------------------------
+    def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+                 programs: int = 8) -> Callable:
+        """``jit`` for a step called over and over with its arrays kept where they are
+        (``fix``): where the library replays a recorded program (CUDA graphs) it does, and it
+        keeps up to ``programs`` compiled shapes."""
+        return self.jit(fn, donate_argnums=donate_argnums)
+
+    def fix(self, x: Any) -> Any:
+        """``x``, promised to every call of a ``jit_step`` program at this address (its memory
+        is written between calls, never replaced). Returns ``x``."""
+        return x
+
+    def refill(self, buffer: Any, values: Any) -> Any:
+        """An array holding ``values`` (host NumPy, or an array of this library of
+        ``buffer``'s shape and dtype) on ``buffer``'s device: ``buffer`` itself, written in
+        place, where the library writes in place; otherwise a new array."""
+        if self.same_library(values):
+            return values
+        return self.xp.asarray(values, dtype=buffer.dtype, device=self.device(buffer))
+
     def to_device(self, x: Any, device: Any) -> Any:
         return compat.to_device(x, device)
 

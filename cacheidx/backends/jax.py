@@ -98,6 +98,16 @@ class JaxBackend(Backend):
         # DEFAULT: TF32 on CUDA GPUs, one bfloat16 pass on TPUs
         return 7 if device.platform == "tpu" else 10
 
+    def refill(self, buffer: Any, values: Any) -> Any:
+        """``values`` as a new array on ``buffer``'s devices (JAX never writes in place outside
+        a program; a program given donated arrays reuses their memory)."""
+        import jax
+        import numpy as np
+
+        if isinstance(values, jax.Array):
+            return values
+        return jax.device_put(np.asarray(values, dtype=buffer.dtype), buffer.sharding)
+
     def to_device(self, x: Any, device: Any) -> Any:
         """``x`` on a device, or whole on each device of a ``jax.sharding.Sharding`` (a sharding
         that would cut it is replaced by the replicated one over the same devices)."""

@@ -115,6 +115,46 @@ class TorchBackend(Backend):
             return 23
         return {"highest": 23, "high": 10, "medium": 7}[torch.get_float32_matmul_precision()]
 
+    def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+                 programs: int = 8) -> Callable:
+        """``jit``, and with inductor ``mode="reduce-overhead"``: on CUDA each shape's program
+        is recorded once as a CUDA graph and replayed, reading the arrays given to ``fix`` in
+        place (the others are copied into the graph's own buffers each call). Every shape
+        bucket is one more program of the same code, so dynamo may keep ``programs`` of them
+        (its default is 8, after which it would run eagerly)."""
+        import torch
+        import torch._dynamo.config as dynamo
+
+        dynamo.recompile_limit = max(dynamo.recompile_limit, programs)
+        if self.compiler != "inductor":
+            return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False)
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+        def step(*args: Any) -> Any:
+            # each call is a new iteration: the previous call's outputs are read already
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+
+        step._torchdynamo_orig_callable = fn  # where programs() counts them
+        return step
+
+    def fix(self, x: Any) -> Any:
+        import torch
+
+        torch._dynamo.mark_static_address(x)
+        return x
+
+    def refill(self, buffer: Any, values: Any) -> Any:
+        """``buffer`` holding ``values``, copied in (no copy where ``values`` is ``buffer``'s
+        memory, as a pool a compiled step stored into is)."""
+        import torch
+
+        if not isinstance(values, torch.Tensor):
+            values = torch.from_numpy(values)
+        elif values.data_ptr() == buffer.data_ptr() and values.shape == buffer.shape:
+            return buffer
+        return buffer.copy_(values)
+
     def to_device(self, x: Any, device: Any) -> Any:
         return x.to(device)
 

@@ -232,3 +232,14 @@ def _greedy(ids: tuple[int, ...], max_new_tokens: int):
         )
     tokens = [int(t) for t in r.sequences[0, len(ids):]]
     return tokens, r.logits[len(tokens) - 1][0].float().numpy()
+
+
+def conversation_ids(messages: list[dict]) -> list[int]:
+    """Token ids of a whole conversation (``[{"role": ..., "content": ...}, ...]``, any number
+    of turns) under the model's chat template, with the generation prompt added: what
+    ``apply_chat_template(messages, add_generation_prompt=True)`` gives."""
+    ids = tokenizer().apply_chat_template(list(messages), add_generation_prompt=True,
+                                          tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

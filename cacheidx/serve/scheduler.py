@@ -1,0 +1,289 @@
+"""Continuous batching on the host: which requests run, which tokens each call computes, and
+where they sit. No arrays of a framework here: a call is a :class:`Batch` of NumPy arrays, and
+whatever computes it (``cacheidx.serve.step``, or a simulation) hands back one token per lane.
+
+Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
+
+1. A request is admitted, oldest first, while a row of the table is free and the cache can
+   give it pages for its prompt and ``max_new_tokens - 1`` more positions (the last token is
+   never fed back); it reads its cached prefix and computes the rest. A request that the
+   whole pool could not hold, or longer than ``context`` tokens where that is given, fails
+   at once, with the reason in its result.
+2. With the cache on, a request waits while a request still computing its prompt will
+   cache pages it could read (more whole pages in common than the cache holds now): a
+   prefix is computed once, then read, however the requests arrive.
+3. Each step is at most two calls: one prefill call computing up to ``chunk`` more prompt
+   tokens of every request still in its prompt, left padded; one decode call feeding every
+   other running request its last token. Row ``r`` of :attr:`Scheduler.table` is the slots
+   of the request in row ``r``: page ``k`` holds its positions ``k*P`` to ``k*P + P - 1``.
+4. A request's prompt pages are cached once its prompt is computed; when it finishes (a stop
+   token, or ``max_new_tokens``) the pages it filled while decoding are cached too and its
+   hold is released, its row cleared.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from ..prefix.cache import Hold, PrefixCache
+from .requests import Request, Result
+
+__all__ = ["Batch", "Lane", "Scheduler"]
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """A running request: its pages, its row of the table, how much of its prompt is
+    computed (``done``, its cached tokens at first)."""
+
+    request: Request
+    result: Result
+    hold: Hold
+    row: int
+    done: int
+    data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.request.prompt)
+
+    @property
+    def position(self) -> int:
+        """The position of the token a decode call feeds: its last generated one."""
+        return len(self.request.prompt) + len(self.result.tokens) - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batch:
+    """One call: lane ``b`` is the request in row ``rows[b]`` of the table, computing
+    ``tokens[b]`` at positions ``pos[b]`` (-1 for left padding). ``columns`` is how many
+    columns of the table the call reads. ``follows``: a decode call over the same lanes as
+    the previous decode call, each one token on, fed the tokens that call chose."""
+
+    kind: str  #: "prefill" or "decode"
+    lanes: tuple[Lane, ...]
+    rows: np.ndarray
+    pos: np.ndarray
+    tokens: np.ndarray
+    columns: int
+    follows: bool = False
+
+
+class Scheduler:
+    """Admission, calls and bookkeeping over ``cache`` for at most ``lanes`` requests at once
+    (see the module's laws). ``reuse=False`` never reads nor fills the cache: every prompt
+    is computed whole."""
+
+    def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
+                 context: int | None = None):
+        if lanes < 1 or chunk < 1 or (context is not None and context < 1):
+            raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
+                             f"positive, got {lanes}, {chunk} and {context}")
+        self.cache, self.lanes, self.chunk, self.reuse = cache, lanes, chunk, reuse
+        self.context = context
+        self.P = cache.page_size
+        #: [lanes, width] slots of each row's positions, -1 where none: a power of two of
+        #: pages, as wide as ``context`` from the start where given, else doubled as needed
+        pages = 1 if context is None else cache.pages_for(context)
+        width = (1 << (pages - 1).bit_length()) * self.P
+        self.table = np.full((lanes, width), -1, dtype=np.int64)
+        self.version = 0  #: bumped whenever the table changes
+        self.waiting: collections.deque[Result] = collections.deque()
+        self._requests: dict[int, Request] = {}
+        self.running: list[Lane] = []
+        self._rows = list(range(lanes - 1, -1, -1))
+        self._last_decode: tuple[Lane, ...] = ()
+        self.rounds = 0  #: steps that admitted some request
+        self.peak = 0  #: the most pages running requests held at once
+        self.peak_used = 0  #: the most pages not free at once (an unbounded pool's need)
+        self.prompt_tokens = self.computed_tokens = self.cached_tokens = 0
+        self.generated_tokens = self.failed = self.served = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- law 1: submission and admission ------------------------------------------------------
+    def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
+        """Queues ``request``; returns its failed result at once if the pool cannot hold it."""
+        result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket)
+        total = len(request.prompt) + request.max_new_tokens - 1
+        need = self.cache.pages_for(total)
+        what = (f"({len(request.prompt)} prompt tokens and up to {request.max_new_tokens} new "
+                f"ones)")
+        if need > self.cache.capacity:
+            result.error = (f"request {request.id!r} needs {need} pages of {self.P} tokens "
+                            f"{what}; the pool has {self.cache.capacity}")
+        elif self.context is not None and total > self.context:
+            result.error = (f"request {request.id!r} holds {total} tokens {what}; the engine's "
+                            f"context is {self.context}")
+        if result.error is not None:
+            result.finished = now
+            self.failed += 1
+            return result
+        self._requests[id(result)] = request
+        self.waiting.append(result)
+        return None
+
+    def admit(self, now: float) -> list[Lane]:
+        """Admits waiting requests in order while rows and pages allow (law 1), passing over
+        those law 2 holds back."""
+        admitted: list[Lane] = []
+        computing = [lane for lane in self.running if lane.prefilling]
+        for result in list(self.waiting):
+            if not self._rows:
+                break
+            request = self._requests[id(result)]
+            data = np.asarray(request.prompt, dtype=np.int64)
+            if self.reuse and self._held_back(data, computing):
+                continue
+            total = len(data) + request.max_new_tokens - 1
+            hold = self.cache.admit(data, total, reuse=self.reuse)  # submit checked the size
+            if hold is None:
+                break  # the oldest request that fits nowhere yet waits; so do the younger
+            self.waiting.remove(result)
+            del self._requests[id(result)]
+            lane = Lane(request, result, hold, self._rows.pop(), hold.cached, data)
+            self._place(lane)
+            result.admitted = now
+            result.cached_tokens = hold.cached
+            self.cached_tokens += hold.cached
+            self.prompt_tokens += len(data)
+            self.running.append(lane)
+            computing.append(lane)
+            admitted.append(lane)
+        if admitted:
+            self.rounds += 1
+            self.peak = max(self.peak, self.cache.in_use)
+            self._used()
+        return admitted
+
+    def _held_back(self, data: np.ndarray, computing: list[Lane]) -> bool:
+        """Law 2: a request computing its prompt will cache more of this one's pages than the
+        cache holds now."""
+        if not computing:
+            return False
+        cached = self.cache.match(data).tokens // self.P
+        most = (len(data) - 1) // self.P
+        if cached >= most:
+            return False
+        for lane in computing:
+            other = lane.data
+            upto = min(most, len(other) // self.P) * self.P
+            if upto <= cached * self.P:
+                continue
+            differ = np.flatnonzero(data[:upto] != other[:upto])
+            same = int(differ[0]) if differ.size else upto
+            if same // self.P > cached:
+                return True
+        return False
+
+    def _place(self, lane: Lane) -> None:
+        pages = np.asarray(lane.hold.pages, dtype=np.int64)
+        slots = (pages[:, None] * self.P + np.arange(self.P)).reshape(-1)
+        if slots.size > self.table.shape[1]:
+            width = self.table.shape[1]
+            while width < slots.size:
+                width *= 2
+            grown = np.full((self.lanes, width), -1, dtype=np.int64)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[lane.row] = -1
+        self.table[lane.row, : slots.size] = slots
+        self.version += 1
+
+    # -- law 3: the calls ---------------------------------------------------------------------
+    def prefill(self) -> Batch | None:
+        """The prefill call: up to ``chunk`` more prompt tokens of every request in its prompt."""
+        lanes = tuple(lane for lane in self.running if lane.prefilling)
+        if not lanes:
+            return None
+        counts = [min(self.chunk, len(lane.data) - lane.done) for lane in lanes]
+        seq = max(counts)
+        pos = np.full((len(lanes), seq), -1, dtype=np.int64)
+        tokens = np.zeros((len(lanes), seq), dtype=np.int64)
+        for b, (lane, n) in enumerate(zip(lanes, counts)):
+            pos[b, seq - n :] = np.arange(lane.done, lane.done + n)
+            tokens[b, seq - n :] = lane.data[lane.done : lane.done + n]
+        rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
+        columns = max(lane.done + n for lane, n in zip(lanes, counts))
+        return Batch("prefill", lanes, rows, pos, tokens, columns)
+
+    def decode(self) -> Batch | None:
+        """The decode call: every running request past its prompt, fed its last token."""
+        lanes = tuple(lane for lane in self.running if not lane.prefilling)
+        if not lanes:
+            self._last_decode = ()
+            return None
+        pos = np.asarray([[lane.position] for lane in lanes], dtype=np.int64)
+        tokens = np.asarray([[lane.result.tokens[-1]] for lane in lanes], dtype=np.int64)
+        rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
+        follows = lanes == self._last_decode
+        self._last_decode = lanes
+        return Batch("decode", lanes, rows, pos, tokens, int(pos.max()) + 1, follows)
+
+    # -- law 4: what a call's tokens do -------------------------------------------------------
+    def after(self, batch: Batch, chosen: np.ndarray, logits: np.ndarray | None,
+              now: float) -> list[Result]:
+        """Records the token each lane of ``batch`` chose (``chosen[b]``, with its ``logits``
+        where kept); returns the results of the requests that finished."""
+        finished = []
+        for b, lane in enumerate(batch.lanes):
+            if batch.kind == "prefill":
+                n = int((batch.pos[b] >= 0).sum())
+                lane.done += n
+                lane.result.computed_tokens += n
+                self.computed_tokens += n
+                if lane.prefilling:
+                    continue
+                lane.result.first_token = now
+                if self.reuse:
+                    self.cache.insert(lane.hold, lane.data)
+            token = int(chosen[b])
+            lane.result.tokens.append(token)
+            if logits is not None:
+                lane.result.last_logits = np.asarray(logits[b], dtype=np.float32)
+            self.generated_tokens += 1
+            if token in lane.request.stop or len(lane.result.tokens) >= lane.request.max_new_tokens:
+                finished.append(self._finish(lane, now))
+        return finished
+
+    def _used(self) -> None:
+        self.peak_used = max(self.peak_used, self.cache.capacity - self.cache.free)
+
+    def _finish(self, lane: Lane, now: float) -> Result:
+        if self.reuse:  # the pages filled while decoding: every token but the last is written
+            written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
+            self.cache.insert(lane.hold, written)
+        self.cache.release(lane.hold)
+        self._used()
+        self.running.remove(lane)
+        self.table[lane.row] = -1
+        self.version += 1
+        self._rows.append(lane.row)
+        lane.result.finished = now
+        self.served += 1
+        return lane.result
+
+    def figures(self) -> dict:
+        """Tokens and pages so far."""
+        prompt = self.prompt_tokens
+        return {
+            "requests": self.served + self.failed,
+            "failed": self.failed,
+            "prompt_tokens": prompt,
+            "computed_tokens": self.computed_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": round(self.cached_tokens / prompt, 4) if prompt else 0.0,
+            "generated_tokens": self.generated_tokens,
+            "pages": self.cache.capacity,
+            "page_size": self.P,
+            "peak_pages_in_use": self.peak,
+            "peak_pages_used": self.peak_used,
+            "pages_cached": self.cache.cached,
+            "evictions": self.cache.evictions,
+            "admission_rounds": self.rounds,
+        }

@@ -1,0 +1,233 @@
+"""One call of the engine on a backend and a device: a :class:`~cacheidx.serve.scheduler.Batch`
+made into a cache index over the pools, the model called once, a token chosen per lane.
+
+Laws of :class:`Step`:
+
+1. The call's index is ``cacheidx.make(pos, table, row=rows)``: the scheduler's table (every
+   row, as many columns as the call reads), a row map naming each lane's row, its positions.
+   A lane of padding has row -1 and positions -1: it stores nothing and reads nothing.
+2. Shapes (``shapes``). ``"exact"`` (eager's default): every call's own. ``"buckets"``
+   (compiled's default, ``jax.jit``, ``torch.compile`` through the backend's ``jit_step``):
+   lanes and table pages rounded up to a power of two (at most the scheduler's rows and
+   table), prefill tokens to a power of two from 16 to the chunk, so at most
+   ``len(lanes) * len(tokens) * len(pages)`` prefill programs and ``len(lanes) *
+   len(pages)`` decode programs (:func:`buckets` lists each). ``"fixed"``: every call has all
+   the rows as lanes, the whole chunk and the whole table: one program each, a new one only
+   when a longer request widens the table. The programs of one model and backend are built
+   once per process, whatever the engine. (JAX also compiles each eager operation per shape:
+   eager on JAX wants buckets too.)
+3. Compiled, every array a program reads stays at one address: the weights, the pools (given
+   up to the program, which stores into them) and one buffer per bucket for each index
+   tensor, into which each call's values are copied (``Backend.refill``). That is what a
+   replayed CUDA graph needs; elsewhere it costs one small copy.
+4. A decode call returns each lane's next token and ``index.advance()``'s positions; the next
+   call over the same lanes is fed those, device to device, without the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import array_api_compat as compat
+import numpy as np
+
+import cacheidx as ci
+
+from .. import devices
+from .scheduler import Batch
+
+__all__ = ["Step", "buckets", "to_host"]
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A small array of any backend as NumPy."""
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError):  # device memory that will not convert implicitly
+        return np.asarray(compat.to_device(x, "cpu"))
+
+
+def _power(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def buckets(most: int, least: int = 1) -> list[int]:
+    """The sizes a compiled shape takes for up to ``most``: powers of two from ``least``, then
+    ``most``."""
+    out, n = [], min(_power(least), most)
+    while n < most:
+        out.append(n)
+        n *= 2
+    return out + [most]
+
+
+@dataclasses.dataclass
+class _Fed:
+    """The last decode call's outputs, kept on the device for the next one."""
+
+    key: tuple
+    tokens: Any
+    pos: Any
+
+
+class Step:
+    """Computes a scheduler's batches with ``model`` (see :mod:`cacheidx.serve.model`) on
+    ``backend`` and ``device`` (a name :func:`cacheidx.devices.resolve` takes), over pools of
+    ``slots`` slots, for ``lanes`` rows and prefill chunks of at most ``chunk`` tokens."""
+
+    def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
+                 compile: bool = False, slots: int, lanes: int, chunk: int, page_size: int,
+                 keep_logits: bool = False, shapes: str | None = None):
+        shapes = shapes or ("buckets" if compile else "exact")
+        if shapes not in ("exact", "buckets", "fixed"):
+            raise ValueError(f"cacheidx.serve.Step: shapes must be 'exact', 'buckets' or "
+                             f"'fixed', got {shapes!r}")
+        be = ci.backends.get(backend)
+        self.backend, self.xp = be, be.xp
+        # a model placed by its own rules (a tensor-parallel group) says where inputs go
+        placed = getattr(model, "device", None)
+        self.device = placed if placed is not None else devices.resolve(be, device)
+        self._host = getattr(model, "host", None) or to_host
+        self.compiled = bool(compile)
+        self.lanes, self.chunk, self.P, self.shapes_of = lanes, chunk, page_size, shapes
+        self.keep_logits = keep_logits
+        info = getattr(self.xp, "__array_namespace_info__", None)
+        self.int = info().default_dtypes()["integral"] if info else self.xp.int64
+        self.model = model
+        self.weights = model.place(self.xp, self.device)
+        self.pools = model.pools(self.weights, slots)
+        pages = len(buckets(max(1, -(-slots // page_size))))
+        lane_sizes, token_sizes = len(buckets(lanes)), len(buckets(chunk, 16))
+        #: the most programs (shapes) of each call, where bounded
+        self.bound = {"fixed": {"prefill": pages, "decode": pages},
+                      "buckets": {"prefill": lane_sizes * token_sizes * pages,
+                                  "decode": lane_sizes * pages}}.get(shapes)
+        if self.compiled:
+            self.weights = _tree(be.fix, self.weights)
+            self.pools = _tree(be.fix, self.pools)
+            most = max(self.bound.values()) if self.bound else 64
+            self._prefill, self._decode = _compiled(model, be, most)
+        else:
+            self._prefill, self._decode = _steps(model, self.xp)
+        self._buffers: dict[tuple, Any] = {}
+        self._table: tuple | None = None  # (columns, version, array)
+        self._fed: _Fed | None = None
+        self.shapes: dict[str, set] = {"prefill": set(), "decode": set()}
+
+    @property
+    def programs(self) -> int:
+        """Distinct shapes called so far, compiled or not (law 2 bounds them when compiled)."""
+        return sum(len(s) for s in self.shapes.values())
+
+    def run(self, batch: Batch, table: np.ndarray, version: int
+            ) -> tuple[np.ndarray, np.ndarray | None, bool]:
+        """``(chosen, logits, new)``: the token each lane chose, its logits where kept, and
+        whether the call had a shape not seen before (a compile, where compiled)."""
+        lanes, seq = batch.tokens.shape
+        width = table.shape[1]
+        if self.shapes_of == "fixed":
+            lanes_, columns = self.lanes, width
+            seq_ = 1 if batch.kind == "decode" else self.chunk
+        elif self.shapes_of == "buckets":
+            lanes_ = min(_power(lanes), self.lanes)
+            seq_ = 1 if batch.kind == "decode" else min(max(_power(seq), 16), self.chunk)
+            columns = min(_power(-(-batch.columns // self.P)) * self.P, width)
+        else:
+            lanes_, seq_ = lanes, seq
+            columns = min(-(-batch.columns // self.P) * self.P, width)
+        key = (lanes_, seq_, columns)
+        new = key not in self.shapes[batch.kind] and (self.compiled or not self.shapes[batch.kind])
+        self.shapes[batch.kind].add(key)
+        rows = np.full(lanes_, -1, dtype=np.int64)
+        rows[:lanes] = batch.rows
+        pos = np.full((lanes_, seq_), -1, dtype=np.int64)
+        pos[:lanes, seq_ - seq :] = batch.pos
+        tokens = np.zeros((lanes_, seq_), dtype=np.int64)
+        tokens[:lanes, seq_ - seq :] = batch.tokens
+        fed = self._fed if batch.follows and self._fed is not None and self._fed.key == key \
+            else None
+        index = ci.make(self._put("pos", pos, fed and fed.pos),
+                        self._table_of(table, columns, version),
+                        row=self._put("row", rows))
+        tokens_in = self._put("tokens", tokens, fed and fed.tokens)
+        self._fed = fed = None  # copied: a replayed graph may now write over those outputs
+        if batch.kind == "prefill":
+            chosen, logits, pools = self._prefill(self.weights, tokens_in, index, self.pools)
+            self._fed = None
+        else:
+            chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
+            self._fed = _Fed(key, chosen, nxt)
+        self.pools = _tree(self.backend.refill, self.pools, pools) if self.compiled else pools
+        out = self._host(chosen).reshape(-1)[:lanes]
+        kept = self._host(logits)[:lanes] if self.keep_logits else None
+        return out, kept, new
+
+    def _put(self, name: str, host: np.ndarray, device: Any = None) -> Any:
+        """An index tensor holding ``host`` (or the device array ``device`` holding the same
+        values): compiled, in this shape's fixed buffer (law 3)."""
+        source = host if device is None else device
+        if not self.compiled:
+            if device is not None:
+                return device
+            return self.xp.asarray(host, dtype=self.int, device=self.device)
+        key = (name, host.shape)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self.backend.fix(self.xp.asarray(host, dtype=self.int, device=self.device))
+            self._buffers[key] = buffer
+            if device is None:
+                return buffer
+        return self.backend.refill(buffer, source)
+
+    def _table_of(self, table: np.ndarray, columns: int, version: int) -> Any:
+        """The table's first ``columns`` columns on the device, copied again only when the
+        scheduler changed it."""
+        if self._table is not None and self._table[:2] == (columns, version):
+            return self._table[2]
+        array = self._put("table", np.ascontiguousarray(table[:, :columns]))
+        self._table = (columns, version, array)
+        return array
+
+
+def _steps(model: Any, xp: Any) -> tuple[Any, Any]:
+    """The two programs: prefill gives each lane's next token and logits; decode gives also
+    the positions of the next call (law 4)."""
+
+    def prefill(weights, tokens, index, pools):
+        logits, pools = model.forward(weights, tokens, index, pools)
+        return xp.argmax(logits, axis=-1), logits, pools
+
+    def decode(weights, tokens, index, pools):
+        logits, pools = model.forward(weights, tokens, index, pools)
+        chosen = xp.reshape(xp.astype(xp.argmax(logits, axis=-1), tokens.dtype), (-1, 1))
+        return chosen, logits, index.advance().pos, pools
+
+    return prefill, decode
+
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(model: Any, backend: Any, programs: int) -> tuple[Any, Any]:
+    """The model's two steps compiled for ``backend``, once per process (an engine made again
+    for the same model finds its programs built), room for ``programs`` shapes each."""
+    kept = _PROGRAMS.setdefault(model, {})
+    key = (backend.name, getattr(backend, "compiler", None))
+    have = kept.get(key)
+    if have is None or have[0] < programs:
+        prefill, decode = _steps(model, backend.xp)
+        have = (programs, backend.jit_step(prefill, donate_argnums=(3,), programs=programs),
+                backend.jit_step(decode, donate_argnums=(3,), programs=programs))
+        kept[key] = have
+    return have[1], have[2]
+
+
+def _tree(f: Any, tree: Any, *more: Any) -> Any:
+    """``f`` over the arrays of nested dicts, lists and tuples (of the same structure)."""
+    if isinstance(tree, dict):
+        return {k: _tree(f, v, *(m[k] for m in more)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_tree(f, v, *(m[i] for m in more)) for i, v in enumerate(tree))
+    return f(tree, *more)

@@ -1,0 +1,287 @@
+"""The online prefix cache (``cacheidx.prefix.PrefixCache``) keeps its laws: hand-checkable
+cases first, then random request lives (arrival orders, pool and page sizes) against a slow
+plain-Python reference that keeps cached prefixes as tuples of tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cacheidx import prefix
+from cacheidx.prefix import PageError, PrefixCache
+
+
+def serve_one(cache, prompt, generated=(), room=None):
+    """A request's whole life: admit, insert the prompt, insert what it wrote, release."""
+    total = len(prompt) + (len(generated) if room is None else room)
+    hold = cache.admit(prompt, total)
+    assert hold is not None
+    cache.insert(hold, prompt)
+    cache.insert(hold, list(prompt) + list(generated))
+    cache.release(hold)
+    return hold
+
+
+# -- cases a reader can check by hand ---------------------------------------------------------
+def test_match_is_whole_pages_capped_below_the_prompt_length():
+    cache = PrefixCache(8, 4)
+    serve_one(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # pages [1 2 3 4] [5 6 7 8] cached
+    assert cache.cached == 2
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).tokens == 8
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8]).tokens == 4  # the last token is computed
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 0, 9]).tokens == 4  # page 2 differs
+    assert cache.match([0, 2, 3, 4, 5, 6, 7, 8, 9]).tokens == 0
+    assert cache.match([1, 2, 3]).tokens == 0
+
+
+def test_a_hold_reads_the_cached_pages_then_its_own():
+    cache = PrefixCache(8, 2)
+    first = serve_one(cache, [5, 6, 7, 8, 9])  # pages of [5 6] [7 8] cached, [9] freed
+    hold = cache.admit([5, 6, 7, 8, 1, 2], 8)
+    assert hold.cached == 4
+    assert hold.pages[:2] == first.pages[:2]
+    assert len(hold.pages) == 4 and not set(hold.pages[2:]) & set(first.pages[:2])
+    cache.release(hold)
+    cache.check()
+
+
+def test_least_recently_released_goes_first():
+    cache = PrefixCache(4, 1)
+    serve_one(cache, [1, 2])  # caches [1], [1 2]
+    serve_one(cache, [7, 8])  # caches [7], [7 8]; the pool is full
+    assert cache.free == 0 and cache.cached == 4
+    hold = cache.admit([4, 5], 2)  # two pages: the branch [1 2] is older, it goes
+    assert cache.evictions == 2
+    assert cache.match([1, 2, 3]).tokens == 0 and cache.match([7, 8, 9]).tokens == 2
+    cache.release(hold)
+
+
+def test_a_page_with_readers_is_never_evicted():
+    cache = PrefixCache(4, 1)
+    serve_one(cache, [1, 2])  # [1], [1 2] cached
+    reader = cache.admit([1, 2, 3], 3)  # reads both, owns one
+    assert reader.cached == 2
+    assert cache.admit([9, 9], 2) is None  # one page free, nothing evictable
+    other = cache.admit([9], 1)  # the free page
+    assert other is not None and cache.evictions == 0
+    cache.release(other)
+    cache.release(reader)
+    assert cache.admit([4, 4, 4, 4], 4) is not None  # now everything may go
+    assert cache.evictions == 2
+
+
+def test_the_policy_hook_orders_evictions():
+    newest_first = PrefixCache(4, 1, policy=lambda page: -page.last_used)
+    serve_one(newest_first, [1, 2])
+    serve_one(newest_first, [7, 8])
+    hold = newest_first.admit([4, 5], 2)
+    assert newest_first.match([1, 2, 3]).tokens == 2 and newest_first.match([7, 8, 9]).tokens == 0
+    newest_first.release(hold)
+
+
+def test_a_page_cached_meanwhile_stays_the_requests_own():
+    cache = PrefixCache(8, 2)
+    a, b = cache.admit([1, 2, 3, 4, 5], 5), cache.admit([1, 2, 3, 4, 6], 5)
+    assert a.cached == b.cached == 0
+    assert cache.insert(a, [1, 2, 3, 4, 5]) == 2
+    assert cache.insert(b, [1, 2, 3, 4, 6]) == 0  # both pages were cached by a
+    assert cache.cached == 2 and cache.match([1, 2, 3, 4, 7]).pages == tuple(a.pages[:2])
+    cache.check()
+    cache.release(a)
+    cache.release(b)
+    assert cache.free == 6
+    cache.check()
+
+
+def test_a_request_larger_than_the_pool_raises_and_a_busy_pool_says_none():
+    cache = PrefixCache(3, 4)
+    with pytest.raises(PageError, match="13 tokens need 4 pages of 4; the pool has 3"):
+        cache.admit([1] * 10, 13)
+    hold = cache.admit([1] * 10, 12)
+    assert cache.admit([2], 1) is None
+    cache.release(hold)
+    assert cache.free == 3
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: PrefixCache(-1, 4), ValueError, "pages must be at least 0, got -1"),
+    (lambda: PrefixCache(4, 0), ValueError, "page_size must be at least 1, got 0"),
+    (lambda: PrefixCache(4, 2.0), TypeError, "page_size must be an integer"),
+    (lambda: PrefixCache(4, 2).match([]), ValueError, "the prompt is empty"),
+    (lambda: PrefixCache(4, 2).admit([1, 2], 1), ValueError, "total must be at least 2"),
+    (lambda: PrefixCache(4, 2).match(np.zeros((2, 2), int)), ValueError, "1-D array"),
+])
+def test_bad_input_names_the_function_and_the_value(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_a_second_release_and_a_wrong_insert_raise():
+    cache = PrefixCache(4, 2)
+    serve_one(cache, [1, 2, 3])
+    hold = cache.admit([1, 2, 3], 3)
+    with pytest.raises(ValueError, match="page 0 of the tokens is not the page"):
+        cache.insert(hold, [9, 9, 3])
+    cache.release(hold)
+    with pytest.raises(PageError, match="released already"):
+        cache.release(hold)
+    cache.check()
+
+
+# -- the reference, in plain Python -----------------------------------------------------------
+class Slow:
+    """Cached prefixes as tuples of whole pages of tokens, each with its readers and the time
+    its last reader let go; evicts, among prefixes without readers that no cached prefix
+    extends by one page, the one let go of first."""
+
+    def __init__(self, capacity, size):
+        self.capacity, self.size = capacity, size
+        self.cached = {}  # prefix -> [readers, last_used]
+        self.free, self.clock = capacity, 0
+
+    def match(self, tokens):
+        k = 0
+        while k < (len(tokens) - 1) // self.size and tuple(tokens[: (k + 1) * self.size]) \
+                in self.cached:
+            k += 1
+        return k
+
+    def admit(self, tokens, total):
+        k = self.match(tokens)
+        nodes = [tuple(tokens[: (i + 1) * self.size]) for i in range(k)]
+        need = -(-total // self.size) - k
+        unread = sum(r == 0 for r, _ in self.cached.values())
+        if need > self.free + unread - sum(self.cached[n][0] == 0 for n in nodes):
+            return None
+        for n in nodes:
+            self.cached[n][0] += 1
+        while self.free < need:
+            self.evict()
+        self.free -= need
+        return {"nodes": nodes, "own": need}
+
+    def evict(self):
+        leaves = [p for p, (r, _) in self.cached.items() if r == 0 and not any(
+            len(q) == len(p) + self.size and q[: len(p)] == p for q in self.cached)]
+        oldest = min(self.cached[p][1] for p in leaves)
+        victims = [p for p in leaves if self.cached[p][1] == oldest]
+        assert len(victims) == 1, "the reference has no tie to break"
+        del self.cached[victims[0]]
+        self.free += 1
+
+    def insert(self, hold, tokens):
+        for k in range(len(hold["nodes"]), len(tokens) // self.size):
+            p = tuple(tokens[: (k + 1) * self.size])
+            if p in self.cached:
+                self.cached[p][0] += 1
+            else:
+                self.cached[p] = [1, 0]
+                hold["own"] -= 1
+            hold["nodes"].append(p)
+
+    def release(self, hold):
+        self.clock += 1
+        for n in hold["nodes"]:
+            self.cached[n][0] -= 1
+            self.cached[n][1] = self.clock
+        self.free += hold["own"]
+
+
+def prefixes(cache):
+    """The cache's tree as {prefix tuple: readers}."""
+    out, stack = {}, [((), n) for n in cache._root.children.values()]
+    while stack:
+        before, node = stack.pop()
+        p = before + tuple(np.frombuffer(node.key, dtype="<i8").tolist())
+        out[p] = node.readers
+        stack.extend((p, c) for c in node.children.values())
+    return out
+
+
+prompts = st.lists(st.integers(0, 1), min_size=1, max_size=9)
+request = st.tuples(prompts, st.lists(st.integers(0, 1), max_size=4))
+
+
+@settings(max_examples=150)
+@given(capacity=st.integers(1, 12), size=st.integers(1, 3),
+       requests=st.lists(request, min_size=1, max_size=12), data=st.data())
+def test_random_lives_keep_the_laws_of_the_slow_reference(capacity, size, requests, data):
+    """Requests (prompts and their generated tokens) start and move on in a random order over
+    a random pool; after each step the tree, the matches, the free pages and whether a
+    request is admitted equal the reference's; every page is in one place (check); and a
+    page a live request reads still holds its tokens (none was evicted under it)."""
+    cache, slow = PrefixCache(capacity, size), Slow(capacity, size)
+    content = {}  # page -> the tokens written on it
+    waiting = list(range(len(requests)))
+    live = {}  # request -> (hold, slow hold, phase)
+
+    def written_by(r, hold, upto):
+        """The pages of request r below token ``upto`` hold its tokens."""
+        prompt, gen = requests[r]
+        seq = list(prompt) + list(gen)
+        for k in range(upto // size):
+            page = hold.pages[k]
+            want = tuple(seq[k * size : (k + 1) * size])
+            if k * size >= hold.cached:  # its own page: it writes it now
+                content.setdefault(page, want)
+            assert content.get(page) == want, f"page {page} was given away under a reader"
+
+    while waiting or live:
+        choices = [("start", r) for r in waiting[:1]] + [("next", r) for r in live]
+        kind, r = data.draw(st.sampled_from(choices))
+        prompt, gen = requests[r]
+        total = len(prompt) + len(gen)
+        if kind == "start":
+            assert cache.match(prompt).tokens == slow.match(prompt) * size
+            if -(-total // size) > capacity:
+                with pytest.raises(PageError):
+                    cache.admit(prompt, total)
+                waiting.pop(0)
+                continue
+            hold, ref = cache.admit(prompt, total), slow.admit(prompt, total)
+            assert (hold is None) == (ref is None)
+            if hold is None:
+                assert live, "an idle pool always admits what fits it"
+                continue
+            for page in hold.pages[hold.cached // size :]:
+                content.pop(page, None)  # fresh pages: whatever was there is gone
+            waiting.pop(0)
+            live[r] = (hold, ref, 0)
+        else:
+            hold, ref, phase = live[r]
+            if phase == 0:
+                written_by(r, hold, len(prompt))
+                cache.insert(hold, prompt)
+                slow.insert(ref, prompt)
+                live[r] = (hold, ref, 1)
+            elif phase == 1:
+                written_by(r, hold, total)
+                cache.insert(hold, list(prompt) + list(gen))
+                slow.insert(ref, list(prompt) + list(gen))
+                live[r] = (hold, ref, 2)
+            else:
+                written_by(r, hold, total)
+                cache.release(hold)
+                slow.release(ref)
+                del live[r]
+        cache.check()
+        assert prefixes(cache) == {p: v[0] for p, v in slow.cached.items()}
+        assert cache.free == slow.free
+    # nothing leaks: every page free or cached with no reader
+    assert cache.free + cache.cached == capacity and cache.evictable == cache.cached
+
+
+def test_matching_walks_only_the_pages_it_matches():
+    """A prompt of 10^5 tokens against 10^4 cached pages: the work is the matched pages (the
+    speed itself is measured in benchmarks/serve.py)."""
+    cache = PrefixCache(10_000, 16)
+    tokens = np.arange(160_000) % 50_000
+    hold = cache.admit(tokens, len(tokens))
+    cache.insert(hold, tokens)
+    cache.release(hold)
+    assert cache.cached == 10_000
+    assert cache.match(tokens[:100_000]).tokens == (100_000 - 1) // 16 * 16
+    assert cache.match(np.concatenate([[7], tokens[1:100_000]])).tokens == 0
+    assert prefix.lru(cache._root.children[tokens[:16].astype("<i8").tobytes()]) == 1
