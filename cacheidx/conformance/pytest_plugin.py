@@ -1,6 +1,6 @@
 """A pytest plugin (entry point ``pytest11: cacheidx``): the ``cacheidx_case`` fixture runs a
-test once per backend and mode (eager, compiled), so an adapter's author checks a new library
-against every law with one file::
+test once per backend and mode (eager, compiled, and the backend's other compiled modes), so an
+adapter's author checks a new library against every law with one file::
 
     # test_my_adapter.py
     import pytest
@@ -10,8 +10,9 @@ against every law with one file::
     def test_law(law, cacheidx_case):
         law(cacheidx_case)
 
-and ``pytest --cacheidx-backend mylib``. A backend or mode that cannot run is skipped with
-its reason.
+and ``pytest --cacheidx-backend mylib``. A backend or mode that cannot run is skipped with its
+reason. The cases of one backend and mode share a session (one compiled step per step function,
+as ``python -m cacheidx.conformance`` runs them), so the plugin runs them one after another.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from __future__ import annotations
 import pytest
 
 from .. import backends
-from .suite import Case
+from .precision import Precision
+from .suite import COMPILERS, MODES, Case, Session
+
+#: modes the plugin runs unless told: every mode but automatic (see the runner)
+DEFAULT_MODES = ("eager", "compiled", "dynamic")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,17 +32,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--cacheidx-backend", action="append", default=None, metavar="NAME",
                     help="run cacheidx_case tests on this backend only (repeatable; default: "
                     "every registered backend)")
-    group.addoption("--cacheidx-compiler", default="aot_eager", metavar="NAME",
-                    help="torch.compile backend for compiled cases (default aot_eager)")
+    group.addoption("--cacheidx-mode", action="append", default=None, choices=MODES,
+                    help="run cacheidx_case tests in this mode only (repeatable; default: "
+                    f"{', '.join(DEFAULT_MODES)})")
+    group.addoption("--cacheidx-compiler", default=None, metavar="NAME",
+                    help="torch.compile backend for compiled cases (default: aot_eager for "
+                    "compiled, eager for dynamic and automatic)")
+    group.addoption("--cacheidx-precision", default="highest",
+                    choices=["highest", "default", "tf32"],
+                    help="the model laws' numerical policy (default highest)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "cacheidx_case" not in metafunc.fixturenames:
         return
     names = metafunc.config.getoption("cacheidx_backend") or backends.names()
-    params = [(n, m) for n in names for m in ("eager", "compiled")]
+    modes = metafunc.config.getoption("cacheidx_mode") or DEFAULT_MODES
+    params = [(n, m) for n in names for m in modes]
     metafunc.parametrize("cacheidx_case", params, indirect=True,
                          ids=[f"{n}-{m}" for n, m in params])
+
+
+def _group(item: pytest.Item) -> tuple:
+    spec = getattr(item, "callspec", None)
+    param = spec.params.get("cacheidx_case") if spec else None
+    return ("",) if param is None else (param[0], MODES.index(param[1]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # one backend and mode at a time: their cases share compiled steps
+    items.sort(key=_group)
 
 
 def backend_or_skip(name: str) -> backends.Backend:
@@ -48,15 +72,27 @@ def backend_or_skip(name: str) -> backends.Backend:
     return backends.get(name)
 
 
+_sessions: dict[tuple, Session] = {}
+
+
 @pytest.fixture
-def cacheidx_case(request: pytest.FixtureRequest) -> Case:
-    """A law's case: a backend, its first device, eager or compiled."""
+def cacheidx_case(request: pytest.FixtureRequest):
+    """A law's case: a backend, its first device, a mode, in the session of that backend and
+    mode (made when the first of its cases runs)."""
     name, mode = request.param
     backend = backend_or_skip(name)
-    if mode == "compiled" and not backend.compiles:
-        pytest.skip(f"{name} has no compiler: its compiled run is its eager run")
-    if hasattr(backend, "compiler"):
-        backend.compiler = request.config.getoption("cacheidx_compiler")
-    if mode == "compiled":
+    if mode != "eager" and mode not in backend.modes:
+        why = "has no compiler" if not backend.modes else f"has no {mode} mode"
+        pytest.skip(f"{name} {why}: its compiled runs are its eager run")
+    device = backend.devices()[0]
+    key = (name, mode, request.config.getoption("cacheidx_precision"))
+    if key not in _sessions:
+        _sessions.clear()  # the last backend and mode is done: forget its programs
         backend.forget()
-    return Case(backend, backend.devices()[0], compiled=mode == "compiled")
+        if hasattr(backend, "compiler"):
+            backend.compiler = (request.config.getoption("cacheidx_compiler")
+                                or COMPILERS.get(mode, "aot_eager"))
+        _sessions[key] = Session(policy=Precision.named(key[2], backend, device))
+    session = _sessions[key]
+    with backend.many_programs(), session.policy.applied(backend):
+        yield Case(backend, device, mode=mode, session=session)

@@ -21,15 +21,9 @@ from typing import Any
 
 from .. import backends, devices
 from .precision import Precision
-from .suite import LAWS, MODES, Case, Session
+from .suite import COMPILERS, LAWS, MODES, Case, Session
 
 __all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
-
-#: the torch.compile backend of each mode unless the caller names one: aot_eager traces
-#: through AOTAutograd's functionalisation; the symbolic-shape modes check what dynamo captures
-#: and how it guards, which its own "eager" backend runs as captured
-TORCH_COMPILERS = {"compiled": "aot_eager", "dynamic": "eager", "automatic": "eager"}
-
 
 class DeviceMissing(ValueError):
     """``--device`` names a device no backend here has."""
@@ -104,7 +98,7 @@ def run_job(name: str, device: str, modes: list[str], *, precision: str = "highe
            "precision": policy.report(backend, where)}
     for mode in modes:
         if hasattr(backend, "compiler"):
-            backend.compiler = torch_compiler or TORCH_COMPILERS.get(mode, "aot_eager")
+            backend.compiler = torch_compiler or COMPILERS.get(mode, "aot_eager")
         backend.forget()
         session = Session(policy=policy)
         laws, facts, took = {}, {}, {}

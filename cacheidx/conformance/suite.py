@@ -23,10 +23,15 @@ import numpy as np
 from .. import backends
 from .precision import Precision
 
-__all__ = ["Case", "Law", "LAWS", "MODES", "Session", "law", "agree"]
+__all__ = ["COMPILERS", "Case", "Law", "LAWS", "MODES", "Session", "law", "agree"]
 
 #: every mode a law can run in, in the order a run takes them
 MODES = ("eager", "compiled", "dynamic", "automatic")
+
+#: the torch.compile backend of each mode unless the caller names one: aot_eager traces through
+#: AOTAutograd's functionalisation; the symbolic-shape modes check what dynamo captures and how
+#: it guards, which its own "eager" backend runs as captured
+COMPILERS = {"compiled": "aot_eager", "dynamic": "eager", "automatic": "eager"}
 
 
 @dataclasses.dataclass(frozen=True)

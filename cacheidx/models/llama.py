@@ -174,11 +174,15 @@ def _device(x):
 def matmul(a, b, mantissa: int | None = None):
     """``a @ b``, its inputs first rounded to ``mantissa`` bits when given (as TF32 keeps 10).
 
-    The rounding is Veltkamp's split, ``c - (c - x)`` with ``c = x * (2**(23 - mantissa) + 1)``:
-    arithmetic alone, so it runs in any namespace and under any compiler."""
-    if mantissa is None or mantissa >= 23:
+    The rounding is Veltkamp's split, ``c - (c - x)`` with ``c = x * (2**(p - mantissa) + 1)``
+    for a dtype of ``p`` mantissa bits: arithmetic alone, so it runs in any namespace and under
+    any compiler."""
+    if mantissa is None:
         return a @ b
-    k = float(2 ** (23 - mantissa) + 1)
+    p = int(-math.log2(array_namespace(a).finfo(a.dtype).eps))
+    if mantissa >= p:
+        return a @ b
+    k = float(2 ** (p - mantissa) + 1)
     ca, cb = a * k, b * k
     return (ca - (ca - a)) @ (cb - (cb - b))
 
