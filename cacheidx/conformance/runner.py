@@ -65,15 +65,19 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
     return out
 
 
-def jobs(target: dict, modes: list[str] | None = None) -> list[list[str]]:
-    """The groups of modes a target runs in, one worker each. Without ``modes``: every mode
-    the backend has but ``automatic``, whose behaviour across shapes one law checks in the
-    static run (a whole run in it is ``--mode automatic``)."""
+def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], str | None]]:
+    """The jobs of a target, one worker each: ``(modes, family)`` where ``family`` narrows the
+    laws to the index's or the model's (``None``: all). Without ``modes``: every mode the
+    backend has but ``automatic``, whose behaviour across shapes one law checks in the static
+    run (a whole run in it is ``--mode automatic``). A backend that compiles gets a job per
+    family, so that the cores share the work evenly."""
     backend = backends.get(target["backend"])
     have = [m for m in MODES if m == "eager" or m in backend.modes]
     have = [m for m in have if m in modes] if modes else [m for m in have if m != "automatic"]
     first = [m for m in have if m in ("eager", "compiled")]
-    return ([first] if first else []) + [[m] for m in have if m not in first]
+    groups = ([first] if first else []) + [[m] for m in have if m not in first]
+    families = ["index", "model"] if backend.modes else [None]
+    return [(group, family) for group in groups for family in families]
 
 
 def run_one(law: Any, case: Case) -> str | None:
@@ -88,9 +92,11 @@ def run_one(law: Any, case: Case) -> str | None:
     return None
 
 
-def run_job(name: str, device: str, modes: list[str], *, precision: str = "highest",
-            torch_compiler: str | None = None, progress: Any = None) -> dict:
-    """Every law on one backend and device in each of ``modes``: outcomes, facts and times."""
+def run_job(name: str, device: str, modes: list[str], *, family: str | None = None,
+            precision: str = "highest", torch_compiler: str | None = None,
+            progress: Any = None) -> dict:
+    """Every law (of ``family``, or all) on one backend and device in each of ``modes``:
+    outcomes, facts and times."""
     backend = backends.get(name)
     where = devices.resolve(backend, device)
     policy = Precision.named(precision, backend, where)
@@ -105,7 +111,7 @@ def run_job(name: str, device: str, modes: list[str], *, precision: str = "highe
         start, cpu = time.perf_counter(), time.process_time()
         with backend.many_programs(), policy.applied(backend):
             for law in LAWS:
-                if not law.runs(mode):
+                if not law.runs(mode) or family not in (None, law.family):
                     continue
                 case = Case(backend, where, mode=mode, session=session)
                 began = time.process_time()
@@ -123,11 +129,13 @@ def run_job(name: str, device: str, modes: list[str], *, precision: str = "highe
     return out
 
 
-def _spawn(name: str, device: str, modes: list[str], options: dict, *,
+def _spawn(name: str, device: str, job: tuple[list[str], str | None], options: dict, *,
            tuned: bool = True) -> subprocess.Popen:
     """A worker for one job. ``tuned``: with the backend's settings for checking (a library
     that rejects one of them fails at once, and the job is started again without them)."""
-    spec = json.dumps({"backend": name, "device": device, "modes": modes, **options})
+    modes, family = job
+    spec = json.dumps({"backend": name, "device": device, "modes": modes, "family": family,
+                       **options})
     # one thread a worker: the workers already fill the cores, and every tensor is tiny
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if tuned:
@@ -142,46 +150,49 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         progress: Any = sys.stderr) -> list[dict]:
     """The report: one entry per backend and device, each mode's laws in it."""
     found = targets(names, device)
-    todo = [(t, group) for t in found if t["status"] == "run" for group in jobs(t, modes)]
+    todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
+    # the longest first, so that the last jobs to start are short: compiling modes, symbolic
+    # shapes, the decoder's laws, JAX's eager per-operation compiles
+    todo.sort(key=lambda tj: (len(tj[1][0]) > 1 or tj[1][0] != ["eager"],
+                              "dynamic" in tj[1][0] or "automatic" in tj[1][0],
+                              tj[1][1] == "model", tj[0]["backend"] == "jax"), reverse=True)
     options = {"precision": precision, "torch_compiler": torch_compiler}
     workers = workers or os.cpu_count() or 1
     results: dict[tuple[str, str], list[dict]] = {}
     say = (lambda msg: print(msg, file=progress, flush=True)) if progress else (lambda m: None)
+
+    def label(t: dict, job: tuple) -> str:
+        return f"{t['backend']}/{t['device']} {'+'.join(job[0])}" + (
+            f" ({job[1]} laws)" if job[1] else "")
+
+    def done(t: dict, job: tuple, report: dict) -> None:
+        results.setdefault((t["backend"], t["device"]), []).append(report)
+        say(f"{label(t, job)}: {_summary(report)}")
+
     start = time.perf_counter()
     if workers == 1:
-        for t, group in todo:
-            label = f"{t['backend']}/{t['device']} {'+'.join(group)}"
-            say(f"{label}: running")
-            job = run_job(t["backend"], t["device"], group, **options)
-            results.setdefault((t["backend"], t["device"]), []).append(job)
-            say(f"{label}: {_summary(job)}")
+        for t, job in todo:
+            done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1], **options))
     else:
-        # the longest jobs first (compiled modes, then jax), so the cores stay busy
-        pending = sorted(todo, key=lambda j: (len(j[1]) > 1, j[0]["backend"] == "jax",
-                                              j[0]["backend"] not in ("numpy", "strict")),
-                         reverse=True)
-        running: list[tuple[dict, list[str], subprocess.Popen, float]] = []
-        retried: set[float] = set()
+        pending, running, retried = list(todo), [], set()
         while pending or running:
             while pending and len(running) < workers:
-                t, group = pending.pop(0)
-                say(f"{t['backend']}/{t['device']} {'+'.join(group)}: running")
-                running.append((t, group, _spawn(t["backend"], t["device"], group, options),
+                t, job = pending.pop(0)
+                running.append((t, job, _spawn(t["backend"], t["device"], job, options),
                                 time.perf_counter()))
             time.sleep(0.05)
             for item in [r for r in running if r[2].poll() is not None]:
                 running.remove(item)
-                t, group, proc, began = item
+                t, job, proc, began = item
                 out, err = proc.communicate()
                 if proc.returncode and not out.strip() and began not in retried:
                     retried.add(began)  # rejected a setting before it began: once more without
-                    running.append((t, group, _spawn(t["backend"], t["device"], group, options,
-                                                     tuned=False), began))
+                    running.append((t, job, _spawn(t["backend"], t["device"], job, options,
+                                                   tuned=False), began))
                     continue
-                job = _read(out, err, t, group, proc.returncode)
-                job["wall_seconds"] = round(time.perf_counter() - began, 2)
-                results.setdefault((t["backend"], t["device"]), []).append(job)
-                say(f"{t['backend']}/{t['device']} {'+'.join(group)}: {_summary(job)}")
+                report = _read(out, err, t, job, proc.returncode)
+                report["wall_seconds"] = round(time.perf_counter() - began, 2)
+                done(t, job, report)
     report = []
     for t in found:
         if t["status"] != "run":
@@ -192,13 +203,13 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     return report
 
 
-def _read(out: str, err: str, t: dict, group: list[str], code: int) -> dict:
+def _read(out: str, err: str, t: dict, job: tuple, code: int) -> dict:
     try:
         return json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         tail = (err or out or "").strip()[-2000:]
         return {"backend": t["backend"], "device": t["device"], "modes": {},
-                "error": f"the worker for {'+'.join(group)} ended with {code}:\n{tail}"}
+                "error": f"the worker for {'+'.join(job[0])} ended with {code}:\n{tail}"}
 
 
 def _summary(job: dict) -> str:
@@ -224,8 +235,14 @@ def _entry(target: dict, results: list[dict]) -> dict:
             for name, outcome in m["laws"].items():
                 entry["laws"][f"{name}[{mode}]"] = outcome
                 entry["passed" if outcome == "pass" else "failed"] += 1
-            entry["modes"][mode] = {k: m[k] for k in ("compiler", "seconds", "cpu_seconds",
-                                                       "facts")}
+            # a mode's laws may come from several jobs (one per family): add them up
+            have = entry["modes"].setdefault(mode, {"compiler": m["compiler"], "seconds": 0.0,
+                                                    "cpu_seconds": 0.0, "facts": {},
+                                                    "law_cpu_seconds": {}})
+            have["seconds"] = round(have["seconds"] + m["seconds"], 2)
+            have["cpu_seconds"] = round(have["cpu_seconds"] + m["cpu_seconds"], 2)
+            have["facts"].update(m["facts"])
+            have["law_cpu_seconds"].update(m.get("law_cpu_seconds", {}))
     entry["seconds"] = round(sum(m["seconds"] for m in entry["modes"].values()), 2)
     compiled = {k: v for k, v in entry["laws"].items() if not k.endswith("[eager]")}
     entry["eager_equals_compiled"] = (all(v == "pass" for v in compiled.values())

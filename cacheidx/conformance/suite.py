@@ -47,6 +47,11 @@ class Law:
         compiled = mode not in ("eager", False)
         return not (self.eager_only and compiled or self.compiled_only and not compiled)
 
+    @property
+    def family(self) -> str:
+        """``"index"`` for the index's own laws, ``"model"`` for the decoder's through it."""
+        return "model" if self.fn.__module__.endswith(".model") else "index"
+
     def __call__(self, case: Case) -> None:
         self.fn(case)
 

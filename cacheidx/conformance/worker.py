@@ -12,7 +12,7 @@ from .runner import run_job
 
 def main(argv: list[str] | None = None) -> int:
     spec = json.loads((argv or sys.argv[1:])[0])
-    job = run_job(spec["backend"], spec["device"], spec["modes"],
+    job = run_job(spec["backend"], spec["device"], spec["modes"], family=spec.get("family"),
                   precision=spec.get("precision", "highest"),
                   torch_compiler=spec.get("torch_compiler"))
     print(json.dumps(job, default=str))
