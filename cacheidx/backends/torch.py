@@ -10,10 +10,39 @@ wraps ``-1``; none of that reaches the user: stores go through
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import cache
+from typing import Any, NamedTuple
 
-from .base import Backend, expand, redirect_dropped
+from . import rowkernels
+from .base import Backend, expand, inside, redirect_dropped
+
+
+class StorePlan(NamedTuple):
+    """A store an index keeps for every layer's pool of ``n`` slots. ``how``: ``"host"`` (the
+    kept rows found once on the host: ``take`` the rows kept, ``None`` when all are, and
+    ``target`` their slots), ``"device"`` (``target`` the slots as int64, for the
+    ``cacheidx::store_rows_`` op, which skips a dropped row itself) or ``"traced"``."""
+
+    how: str
+    slots: Any
+    n: int
+    target: Any = None
+    take: Any = None
+
+
+class ReadPlan(NamedTuple):
+    """A read an index keeps likewise. ``how``: ``"host"`` (``safe`` slots to select,
+    ``unseen`` the rows to zero, ``None`` when none is), ``"device"`` (``safe`` the slots as
+    int64 and ``ok`` contiguous, for the ``cacheidx::gated_rows`` op) or ``"traced"``."""
+
+    how: str
+    slots: Any
+    ok: Any
+    safe: Any = None
+    unseen: Any = None
 
 
 class TorchBackend(Backend):
@@ -59,13 +88,70 @@ class TorchBackend(Backend):
             return pool.new_zeros((n, *pool.shape[1:]))
         safe = torch.where(ok, slots, 0)
         if _traced(pool):
-            return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe), 0)
+            return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe),
+                               pool.new_zeros(()))
         if _on_host(pool, ok):
             return pool.index_select(0, safe).index_fill_(0, torch.nonzero(~ok)[:, 0], 0)
         out = pool.new_empty((n + 1, *pool.shape[1:]))
         torch.index_select(pool, 0, safe, out=out[:n])
         rows = torch.arange(n, device=slots.device)
         return out.index_fill_(0, torch.where(ok, n, rows), 0)[:n]  # rows read: the spare
+
+    # -- plans: an eager index finds, once for every layer, what its stores and reads need --
+    def store_plan(self, slots: Any, n: int) -> StorePlan:
+        """On the CPU the kept stores are found on the host, so a store is the hand-written one
+        (``index_copy_``, after selecting the kept rows only where some are dropped); on a
+        device, ``cacheidx::store_rows_`` skips the dropped ones itself, in one kernel."""
+        import torch
+
+        if self.tracing(slots) or _traced(slots):
+            return StorePlan("traced", slots, n)
+        if _on_host(slots):
+            keep = inside(slots, n)
+            if bool(keep.all()):
+                return StorePlan("host", slots, n, slots.long())
+            take = torch.nonzero(keep)[:, 0]
+            return StorePlan("host", slots, n, slots.index_select(0, take).long(), take)
+        _define_ops()
+        return StorePlan("device", slots, n, slots.long().contiguous())
+
+    def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
+        import torch
+
+        if (plan.how == "traced" or _traced(pool) or _traced(rows) or pool.shape[0] != plan.n
+                or pool.shape[0] == 0 or rows.shape[0] == 0):
+            return self.scatter(pool, plan.slots, rows, donate=donate)
+        if plan.how == "host":
+            if plan.take is not None:
+                rows = rows.index_select(0, plan.take)
+            return (pool.index_copy_ if donate else pool.index_copy)(0, plan.target, rows)
+        out = pool if donate else pool.clone()
+        torch.ops.cacheidx.store_rows_(out, plan.target, rows)
+        return out
+
+    def read_plan(self, slots: Any, ok: Any, n: int) -> ReadPlan:
+        """On the CPU the rows to zero are found on the host (a select, then ``index_fill_``
+        of those rows only); on a device ``cacheidx::gated_rows`` reads in one kernel."""
+        import torch
+
+        if self.tracing(slots) or _traced(slots):
+            return ReadPlan("traced", slots, ok)
+        if _on_host(slots, ok):
+            safe = torch.where(ok, slots, 0)
+            unseen = torch.nonzero(~ok)[:, 0]
+            return ReadPlan("host", slots, ok, safe, unseen if unseen.numel() else None)
+        _define_ops()
+        return ReadPlan("device", slots, ok.contiguous(), slots.long().contiguous())
+
+    def read(self, pool: Any, plan: Any) -> Any:
+        import torch
+
+        if plan.how == "traced" or _traced(pool) or pool.shape[0] == 0:
+            return self.gather(pool, plan.slots, plan.ok)
+        if plan.how == "host":
+            got = pool.index_select(0, plan.safe)
+            return got if plan.unseen is None else got.index_fill_(0, plan.unseen, 0)
+        return torch.ops.cacheidx.gated_rows(pool, plan.safe, plan.ok)
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
         """``torch.compile(fn, fullgraph=True, dynamic=False)`` with ``compiler`` as its backend.
@@ -164,6 +250,87 @@ def _traced(pool: Any) -> bool:
 
     return (torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled())
             or torch._C._are_functorch_transforms_active())
+
+
+# -- the eager device operations: one kernel each on CUDA ------------------------------------
+def _define_ops() -> None:
+    """``cacheidx::store_rows_`` and ``cacheidx::gated_rows``, torch operators (so that a
+    dispatch mode or the profiler counts each as one) with the kernels of
+    :mod:`cacheidx.backends.rowkernels` on CUDA and plain torch elsewhere."""
+    import torch
+
+    if hasattr(torch.ops.cacheidx, "gated_rows"):
+        return
+    lib = torch.library.Library("cacheidx", "DEF")
+    lib.define("store_rows_(Tensor(a!) pool, Tensor slots, Tensor rows) -> ()")
+    lib.define("gated_rows(Tensor pool, Tensor slots, Tensor ok) -> Tensor")
+    lib.impl("store_rows_", _store_rows, "CompositeExplicitAutograd")
+    lib.impl("gated_rows", _gated_rows, "CompositeExplicitAutograd")
+    torch.library.register_fake("cacheidx::store_rows_", lambda pool, slots, rows: None,
+                                lib=lib)
+    torch.library.register_fake(
+        "cacheidx::gated_rows",
+        lambda pool, slots, ok: pool.new_empty((slots.shape[0], *pool.shape[1:])), lib=lib)
+    _LIBRARY.append(lib)  # a Library unregisters its operators when collected
+
+
+_LIBRARY: list[Any] = []
+
+
+def _store_rows(pool: Any, slots: Any, rows: Any) -> None:
+    """Row ``i`` of ``rows`` into slot ``slots[i]`` of ``pool`` (int64 slots); a slot outside
+    the pool stores nothing."""
+    rows = rows.contiguous()
+    n = pool.shape[0]
+    if _cuda_rows("cacheidx_store_rows", pool, rows, (pool, slots, rows), extra=(n,)):
+        return
+    # elsewhere: the dropped rows repeat a store that happens anyway (``redirect_dropped``)
+    import array_api_compat.torch as xp
+
+    target, rows = redirect_dropped(xp, pool, slots, rows)
+    pool.index_put_((target,), rows)
+
+
+def _gated_rows(pool: Any, slots: Any, ok: Any) -> Any:
+    """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere (int64 slots, bool ``ok``)."""
+    import torch
+
+    out = pool.new_empty((slots.shape[0], *pool.shape[1:]))
+    if _cuda_rows("cacheidx_gated_rows", pool, out, (pool, slots, ok, out)):
+        return out
+    got = pool.index_select(0, torch.where(ok, slots, 0))
+    return torch.where(expand(torch, ok, pool.ndim), got, pool.new_zeros(()))
+
+
+def _cuda_rows(name: str, pool: Any, rows: Any, args: tuple, extra: tuple = ()) -> bool:
+    """Run the kernel ``name`` over the rows of ``rows`` (the values stored, or the rows
+    read) where it can: CUDA, contiguous buffers, sizes that fit its ints. Whether it ran."""
+    if not (pool.is_cuda and pool.is_contiguous() and rows.is_contiguous()):
+        return False
+    row_bytes = pool.element_size() * math.prod(pool.shape[1:])
+    how = rowkernels.launch(rows.shape[0], row_bytes, (pool.data_ptr(), rows.data_ptr()),
+                            slots=pool.shape[0])
+    kernel = None if how is None else _kernel(name, how.word, pool.device.index)
+    if kernel is None:
+        return False
+    kernel(grid=(how.grid, 1, 1), block=(how.block, 1, 1),
+           args=[*args, rows.shape[0], how.words, *extra, how.group])
+    return True
+
+
+@cache
+def _kernel(name: str, word: int, device: int | None) -> Any:
+    """The kernel ``name`` for words of ``word`` bytes, compiled by NVRTC once per device;
+    ``None`` (with a warning, once) where it cannot be compiled."""
+    import torch
+
+    try:
+        with torch.cuda.device(device):
+            return torch.cuda._compile_kernel(rowkernels.source(word), name)
+    except Exception as e:  # no NVRTC, an old torch: plain torch then
+        warnings.warn(f"cacheidx: the CUDA kernel {name} did not compile ({type(e).__name__}: "
+                      f"{e}); eager stores and reads use plain torch operations", stacklevel=3)
+        return None
 
 
 def _on_host(*tensors: Any) -> bool:
