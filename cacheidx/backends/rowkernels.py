@@ -30,7 +30,7 @@ WORDS = {
 }
 
 SOURCE = r"""
-struct __align__(16) cacheidx_w16 { unsigned long long lo, hi; };
+struct alignas(16) cacheidx_w16 { unsigned long long lo, hi; };
 typedef WORD word_t;
 
 // rows of `words` words; a group of `group` threads per row, groups striding over rows

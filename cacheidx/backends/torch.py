@@ -305,7 +305,7 @@ def _gated_rows(pool: Any, slots: Any, ok: Any) -> Any:
 def _cuda_rows(name: str, pool: Any, rows: Any, args: tuple, extra: tuple = ()) -> bool:
     """Run the kernel ``name`` over the rows of ``rows`` (the values stored, or the rows
     read) where it can: CUDA, contiguous buffers, sizes that fit its ints. Whether it ran."""
-    if not (pool.is_cuda and pool.is_contiguous() and rows.is_contiguous()):
+    if not (_kernels_on(pool) and pool.is_contiguous() and rows.is_contiguous()):
         return False
     row_bytes = pool.element_size() * math.prod(pool.shape[1:])
     how = rowkernels.launch(rows.shape[0], row_bytes, (pool.data_ptr(), rows.data_ptr()),
@@ -316,6 +316,13 @@ def _cuda_rows(name: str, pool: Any, rows: Any, args: tuple, extra: tuple = ()) 
     kernel(grid=(how.grid, 1, 1), block=(how.block, 1, 1),
            args=[*args, rows.shape[0], how.words, *extra, how.group])
     return True
+
+
+def _kernels_on(x: Any) -> bool:
+    """Whether the row kernels run where ``x`` lies: CUDA (not ROCm, where NVRTC is not)."""
+    import torch
+
+    return x.is_cuda and torch.version.hip is None
 
 
 @cache
