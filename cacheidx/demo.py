@@ -192,7 +192,7 @@ def serve(
     def step(weights, tokens, index, pools):
         return llama.forward(weights, config, tokens, index, pools, donate=donate, last=True)
 
-    run = be.jit(step, donate_argnums=(3,)) if compile else step
+    run = be.jit(step, donate_argnums=(3,)) if compile else be.inference(step)
 
     n = len(prompts)
     lens = [len(p) for p in prompts]

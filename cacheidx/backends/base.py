@@ -111,6 +111,16 @@ class Backend:
         """``gather`` of the slots and gate ``plan`` (from ``read_plan``) was made from."""
         return self.gather(pool, *plan)
 
+    def matmul(self, a: Any, b: Any) -> Any:
+        """``a @ b`` for a matrix ``b`` ``[in, out]``, a model's linear layer; a backend may
+        use a faster kernel for it."""
+        return a @ b
+
+    def inference(self, fn: Callable) -> Callable:
+        """``fn`` run eagerly with nothing recorded for differentiation (a serving step never
+        needs it), where the library records by default; ``fn`` itself elsewhere."""
+        return fn
+
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = ()) -> Callable:
         """Compile ``fn`` where the library has a compiler; eager where it has none."""
         return fn

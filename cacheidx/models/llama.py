@@ -238,33 +238,41 @@ def attend(q, seen_k, seen_v, mask, *, xp=None):
 
 
 def _masked_softmax(xp, scores, mask):
-    any_seen = xp.any(mask, axis=-1, keepdims=True)
-    top = xp.max(xp.where(mask, scores, -xp.inf), axis=-1, keepdims=True)
-    top = xp.where(any_seen, top, 0.0)
-    e = xp.where(mask, xp.exp(scores - top), 0.0)
+    # an unseen score is -inf, so its exp is exactly 0; a row that sees nothing has a top of
+    # -inf, taken as 0, and a total of 0, taken as 1: its weights are 0
+    masked = xp.where(mask, scores, -xp.inf)
+    top = xp.max(masked, axis=-1, keepdims=True)
+    e = xp.exp(masked - xp.where(top > -xp.inf, top, 0.0))
     total = xp.sum(e, axis=-1, keepdims=True)
     return e / xp.where(total > 0, total, 1.0)
 
 
-def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None):
+def _at(a, b):
+    return a @ b
+
+
+def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None,
+          product=None):
     """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
-    one matrix product): returns ``(x, (k_pool, v_pool))``."""
+    one matrix product, ``product(x, w)``, ``x @ w`` by default): returns
+    ``(x, (k_pool, v_pool))``."""
     xp = xp or array_namespace(x)
+    mm = product or _at
     c = config
     b, s = cos.shape[0], cos.shape[1]
     h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
-    q = xp.reshape(h @ p["wq"], (b, s, c.heads, c.head_dim))
-    k = xp.reshape(h @ p["wk"], (b, s, c.kv_heads, c.head_dim))
-    v = xp.reshape(h @ p["wv"], (b, s, c.kv_heads, c.head_dim))
+    q = xp.reshape(mm(h, p["wq"]), (b, s, c.heads, c.head_dim))
+    k = xp.reshape(mm(h, p["wk"]), (b, s, c.kv_heads, c.head_dim))
+    v = xp.reshape(mm(h, p["wv"]), (b, s, c.kv_heads, c.head_dim))
     q = rotate(q, cos, sin, xp=xp)
     k = rotate(k, cos, sin, xp=xp)
     kpool, vpool = pools
     seen_k, kpool = index.extend(k, kpool, donate=donate)
     seen_v, vpool = index.extend(v, vpool, donate=donate)
     o = attend(q, seen_k, seen_v, index.mask(), xp=xp)
-    x = x + xp.reshape(o, (b * s, c.heads * c.head_dim)) @ p["wo"]
+    x = x + mm(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"])
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
-    x = x + (_silu(h @ p["w_gate"], xp) * (h @ p["w_up"])) @ p["w_down"]
+    x = x + mm(_silu(mm(h, p["w_gate"]), xp) * mm(h, p["w_up"]), p["w_down"])
     return x, (kpool, vpool)
 
 
@@ -277,8 +285,10 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     may write into their memory. With ``last=True`` only the last token's logits are computed
     (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
     """
-    # the index's namespace where it names one (resolved once, outside any compiled step)
+    # the index's namespace where it names one (resolved once, outside any compiled step), and
+    # its backend's product for the linear layers
     xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
+    product = getattr(getattr(index, "backend", None), "matmul", None)
     c = config
     b, s = tokens.shape
     embed = params["embed"]
@@ -286,12 +296,12 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
-        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp)
+        x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, product=product)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
         s = 1
     x = rms_norm(x, params["norm"], c.eps, xp=xp)
     head = params["out"] if not c.tied else xp.matrix_transpose(embed)
-    logits = x @ head
+    logits = (product or _at)(x, head)
     return xp.reshape(logits, (b, s, logits.shape[-1])), out
