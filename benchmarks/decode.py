@@ -23,6 +23,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cacheidx
 
 PROMPTS = [
     "What is the capital of France?",
