@@ -189,3 +189,24 @@ def test_smollm2_chat_ids_equal_transformers_apply_chat_template(cache):
         assert mine.chat_ids(msgs) == want
         assert mine.decode(want) == ref.decode(want)
     assert os.listdir(cache)
+
+
+def test_loading_shows_progress_on_a_terminal_only(monkeypatch):
+    import io
+    import sys
+
+    from cacheidx.models import gguf as model_gguf
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert model_gguf._progress_line("m.gguf") is None  # a log keeps no progress lines
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    show = model_gguf._progress_line("m.gguf")
+    show(1, 2)
+    show(2, 2)
+    text = term.getvalue()
+    assert "\rdequantising m.gguf: 1/2 tensors" in text and text.endswith("\n")
