@@ -279,11 +279,7 @@ class CacheIndex:
     def mask(self) -> Any:
         """Which columns of ``extend``'s seen each token sees: ``[batch, seq, context]``, or
         ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
-        its position, under a window only the last ``w`` of them; a padded token sees none.
-        Kept on the index (eagerly) for every layer's attention."""
-        return self._memo("mask", self._mask)
-
-    def _mask(self) -> Any:
+        its position, under a window only the last ``w`` of them; a padded token sees none."""
         if self.draft_slots is not None:
             table_part, tail = self._draft_masks()
             return self.xp.concat([table_part, tail], axis=2)
