@@ -3,8 +3,11 @@
 Every operation here keeps shapes static and never reads a tensor's value on the host (no
 boolean indexing, no ``.item()``), so one compiled graph serves every position and table and
 ``torch.compile(fullgraph=True)`` sees no break. torch raises on an index outside a tensor and
-wraps ``-1``; none of that reaches the user: stores go through
-:func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first.
+wraps ``-1``; none of that reaches the user: traced stores go through
+:func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first. Eager
+stores and reads use plans an index keeps for every layer (the kept rows and the rows to zero,
+found on the host on the CPU) and, on CUDA, one kernel each (``cacheidx::store_rows_``,
+``cacheidx::gated_rows``).
 """
 
 from __future__ import annotations
@@ -59,13 +62,20 @@ class TorchBackend(Backend):
         return array_api_compat.torch
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
-        """One indexed store of the tokens' rows. A store outside the pool is sent where it
-        repeats a store that happens anyway (``redirect_dropped``), so it can neither raise,
-        wrap ``-1`` to the last slot, nor clobber a real write at slot 0. Donated, the rows go
-        into the caller's storage (``index_put_``; compiled by inductor, a store into the input
-        buffer): the cost is in the tokens, never in the slots. Otherwise the pool is copied."""
+        """One indexed store of the tokens' rows; a store outside the pool stores nothing.
+        Eagerly, through ``store_plan`` and ``store``. Traced (compiled, under autograd or a
+        functorch transform), a store outside the pool is sent where it repeats a store that
+        happens anyway (``redirect_dropped``), so it can neither raise, wrap ``-1`` to the last
+        slot, nor clobber a real write at slot 0; donated, the rows go into the caller's storage
+        (``index_put_``; compiled by inductor, a store into the input buffer): the cost is in
+        the tokens, never in the slots. Otherwise the pool is copied."""
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
+        if _traced(pool) or _traced(rows) or self.tracing(slots) or _traced(slots):
+            return self._scatter_traced(pool, slots, rows, donate)
+        return self.store(pool, self.store_plan(slots, pool.shape[0]), rows, donate=donate)
+
+    def _scatter_traced(self, pool: Any, slots: Any, rows: Any, donate: bool) -> Any:
         target, rows = redirect_dropped(self.xp, pool, slots, rows)
         if donate:
             return pool.index_put_((target,), rows)
@@ -76,26 +86,18 @@ class TorchBackend(Backend):
 
         Compiled, or under autograd (the values of a training step through a whole index) or
         a functorch transform: an index select under a ``where``, which inductor fuses into
-        one gated load. Eager: the select, then only the rows not read filled with zero by index
-        (``index_fill_``), where a ``where`` or ``masked_fill_`` would make a second pass over
-        every row. On the CPU the rows to fill are found on the host (``nonzero``: no device
-        to wait for); elsewhere the select goes into a buffer with one spare row, and every
-        row read names the spare instead, so that no shape depends on a value."""
+        one gated load. Eagerly, through ``read_plan`` and ``read``."""
+        if pool.shape[0] == 0:
+            return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
+        if _traced(pool) or self.tracing(slots) or _traced(slots):
+            return self._gather_traced(pool, slots, ok)
+        return self.read(pool, self.read_plan(slots, ok, pool.shape[0]))
+
+    def _gather_traced(self, pool: Any, slots: Any, ok: Any) -> Any:
         import torch
 
-        n = slots.shape[0]
-        if pool.shape[0] == 0:
-            return pool.new_zeros((n, *pool.shape[1:]))
-        safe = torch.where(ok, slots, 0)
-        if _traced(pool):
-            return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe),
-                               pool.new_zeros(()))
-        if _on_host(pool, ok):
-            return pool.index_select(0, safe).index_fill_(0, torch.nonzero(~ok)[:, 0], 0)
-        out = pool.new_empty((n + 1, *pool.shape[1:]))
-        torch.index_select(pool, 0, safe, out=out[:n])
-        rows = torch.arange(n, device=slots.device)
-        return out.index_fill_(0, torch.where(ok, n, rows), 0)[:n]  # rows read: the spare
+        got = pool.index_select(0, torch.where(ok, slots, 0))
+        return torch.where(expand(self.xp, ok, pool.ndim), got, pool.new_zeros(()))
 
     # -- plans: an eager index finds, once for every layer, what its stores and reads need --
     def store_plan(self, slots: Any, n: int) -> StorePlan:
@@ -118,9 +120,10 @@ class TorchBackend(Backend):
     def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
         import torch
 
-        if (plan.how == "traced" or _traced(pool) or _traced(rows) or pool.shape[0] != plan.n
-                or pool.shape[0] == 0 or rows.shape[0] == 0):
-            return self.scatter(pool, plan.slots, rows, donate=donate)
+        if pool.shape[0] == 0 or rows.shape[0] == 0:
+            return pool
+        if plan.how == "traced" or _traced(pool) or _traced(rows):
+            return self._scatter_traced(pool, plan.slots, rows, donate)
         if plan.how == "host":
             if plan.take is not None:
                 rows = rows.index_select(0, plan.take)
@@ -146,8 +149,10 @@ class TorchBackend(Backend):
     def read(self, pool: Any, plan: Any) -> Any:
         import torch
 
-        if plan.how == "traced" or _traced(pool) or pool.shape[0] == 0:
-            return self.gather(pool, plan.slots, plan.ok)
+        if pool.shape[0] == 0:
+            return pool.new_zeros((plan.slots.shape[0], *pool.shape[1:]))
+        if plan.how == "traced" or _traced(pool):
+            return self._gather_traced(pool, plan.slots, plan.ok)
         if plan.how == "host":
             got = pool.index_select(0, plan.safe)
             return got if plan.unseen is None else got.index_fill_(0, plan.unseen, 0)
