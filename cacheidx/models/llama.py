@@ -238,11 +238,10 @@ def attend(q, seen_k, seen_v, mask, *, xp=None):
 
 
 def _masked_softmax(xp, scores, mask):
-    # an unseen score is -inf, so its exp is exactly 0; a row that sees nothing has a top of
-    # -inf, taken as 0, and a total of 0, taken as 1: its weights are 0
-    masked = xp.where(mask, scores, -xp.inf)
-    top = xp.max(masked, axis=-1, keepdims=True)
-    e = xp.exp(masked - xp.where(top > -xp.inf, top, 0.0))
+    any_seen = xp.any(mask, axis=-1, keepdims=True)
+    top = xp.max(xp.where(mask, scores, -xp.inf), axis=-1, keepdims=True)
+    top = xp.where(any_seen, top, 0.0)
+    e = xp.where(mask, xp.exp(scores - top), 0.0)
     total = xp.sum(e, axis=-1, keepdims=True)
     return e / xp.where(total > 0, total, 1.0)
 
