@@ -290,7 +290,7 @@ def _define_ops() -> None:
 
     if hasattr(torch.ops.cacheidx, "gated_rows"):
         return
-    lib = torch.library.Library("cacheidx", "DEF")
+    lib = torch.library.Library("cacheidx", "FRAGMENT")  # other modules may add their own
     lib.define("store_rows_(Tensor(a!) pool, Tensor slots, Tensor rows) -> ()")
     lib.define("gated_rows(Tensor pool, Tensor slots, Tensor ok) -> Tensor")
     lib.impl("store_rows_", _store_rows, "CompositeExplicitAutograd")
