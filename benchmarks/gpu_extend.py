@@ -391,7 +391,7 @@ def main(argv=None) -> int:
         msg = "no GPU is present: nothing measured (--cpu measures the CPU rows)"
         print(msg)
         if args.json:
-            args.json.write_text(json.dumps({"device": None, "skipped": [msg], "rows": [],
+            args.json.write_text(json.dumps({"device": None, "note": msg, "skipped": [msg], "rows": [],
                                              "donated": []}, indent=2) + "\n")
         return 0
     result = run(args)
