@@ -251,8 +251,8 @@ def main(argv=None) -> int:
         msg = "no GPU is present: nothing measured (--cpu measures the CPU rows)"
         print(msg)
         if args.json:
-            args.json.write_text(json.dumps({"device": None, "note": msg, "notes": [msg], "rows": []},
-                                            indent=2) + "\n")
+            empty = {"device": None, "note": msg, "notes": [msg], "rows": []}
+            args.json.write_text(json.dumps(empty, indent=2) + "\n")
         return 0
     result = run(args)
     print(markdown(result))

@@ -391,8 +391,8 @@ def main(argv=None) -> int:
         msg = "no GPU is present: nothing measured (--cpu measures the CPU rows)"
         print(msg)
         if args.json:
-            args.json.write_text(json.dumps({"device": None, "note": msg, "skipped": [msg], "rows": [],
-                                             "donated": []}, indent=2) + "\n")
+            empty = {"device": None, "note": msg, "skipped": [msg], "rows": [], "donated": []}
+            args.json.write_text(json.dumps(empty, indent=2) + "\n")
         return 0
     result = run(args)
     print(markdown(result))
