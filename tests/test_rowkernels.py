@@ -132,3 +132,21 @@ def test_torch_eager_through_the_kernels(monkeypatch):
     assert [k.launches for k in kernels] == [1, 1]
     np.testing.assert_array_equal(seen.numpy(), want_seen)
     np.testing.assert_array_equal(after.numpy(), want_pool)
+
+
+def test_a_kernel_that_cannot_compile_warns_once_and_leaves_plain_torch():
+    """Without NVRTC (here: a CPU build of torch) the kernel is None, with a warning, and the
+    CUDA toolkit setting torch's NVRTC wrapper reads is left as it was."""
+    pytest.importorskip("torch", reason="the torch adapter needs PyTorch")
+    import torch.utils.cpp_extension as ext
+
+    from cacheidx.backends import torch as torch_backend
+
+    before = ext.CUDA_HOME
+    torch_backend._kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not compile"):
+            assert torch_backend._kernel("cacheidx_gated_rows", 4, None) is None
+    finally:
+        torch_backend._kernel.cache_clear()
+    assert ext.CUDA_HOME == before

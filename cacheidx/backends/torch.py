@@ -358,15 +358,25 @@ def _kernels_on(x: Any) -> bool:
 def _kernel(name: str, word: int, device: int | None) -> Any:
     """The kernel ``name`` for words of ``word`` bytes, compiled by NVRTC once per device;
     ``None`` (with a warning, once) where it cannot be compiled."""
-    import torch
+    import tempfile
 
+    import torch
+    import torch.utils.cpp_extension as ext
+
+    home = ext.CUDA_HOME
     try:
+        # torch's NVRTC wrapper adds $CUDA_HOME/include, and raises without a toolkit; the
+        # kernels include no header, so any folder serves (NVRTC itself comes with the wheel)
+        if home is None:
+            ext.CUDA_HOME = tempfile.gettempdir()
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(rowkernels.source(word), name)
     except Exception as e:  # no NVRTC, an old torch: plain torch then
         warnings.warn(f"cacheidx: the CUDA kernel {name} did not compile ({type(e).__name__}: "
                       f"{e}); eager stores and reads use plain torch operations", stacklevel=3)
         return None
+    finally:
+        ext.CUDA_HOME = home
 
 
 def _onednn_linear(a: Any, b: Any) -> bool:
