@@ -23,6 +23,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cacheidx
 
 PROMPTS = [
     "What is the capital of France?",
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--quick", action="store_true", help="8 new tokens, one repeat")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--backend", action="append",
                    help="cacheidx backends to run (default: numpy, jax, torch where usable)")

@@ -340,10 +340,11 @@ class CacheIndex:
         self._check_extend(values, pool)
         if self.kind != "tabled":
             return self._seen_whole(values), pool
-        backend, xp = self.backend, self.xp
-        targets = self._memo("store", lambda: xp.reshape(self._store_slots(), (-1,)))
+        backend, xp, n = self.backend, self.xp, int(pool.shape[0])
+        plan = self._memo(("store", n), lambda: backend.store_plan(
+            xp.reshape(self._store_slots(), (-1,)), n))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
-        pool = backend.scatter(pool, targets, rows, donate=donate)
+        pool = backend.store(pool, plan, rows, donate=donate)
         return self._read(pool, values), pool
 
     def _check_extend(self, values: Any, pool: Any) -> None:
@@ -380,16 +381,17 @@ class CacheIndex:
         """Columns of the table read from ``pool``, zero where no token of the lane sees them
         or the slot addresses nothing."""
         xp, n = self.xp, int(pool.shape[0])
-        shape, slots, ok = self._memo(("read", n), lambda: self._read_plan(n))
-        got = self.backend.gather(pool, slots, ok)
+        shape, plan = self._memo(("read", n), lambda: self._read_plan(n))
+        got = self.backend.read(pool, plan)
         seen = xp.reshape(got, (*shape, *pool.shape[1:]))
         if self.draft_slots is None:
             return seen
         seen_by_some = xp.any(self._draft_tail(), axis=1)
         return xp.concat([seen, self._zero_where(values, seen_by_some)], axis=1)
 
-    def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any, Any]:
-        """The slots a read of a pool of ``n`` slots takes (flat), and where it is not zero."""
+    def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any]:
+        """The shape of a read of a pool of ``n`` slots, and the backend's plan of it (from the
+        slots it takes, flat, and where it is not zero)."""
         xp = self.xp
         if self.columns is not None:
             ok = self._sees_columns(self.columns)
@@ -397,12 +399,13 @@ class CacheIndex:
         else:
             slots, ok = self._lane_table, self._some_token_sees()
         ok = ok & inside(slots, n)
-        return tuple(slots.shape), xp.reshape(slots, (-1,)), xp.reshape(ok, (-1,))
+        return tuple(slots.shape), self.backend.read_plan(xp.reshape(slots, (-1,)),
+                                                          xp.reshape(ok, (-1,)), n)
 
     def _memo(self, key: Any, make: Any) -> Any:
         """``make()``, kept on the index for the next pool of the next layer: every layer's
-        extend reads the same slots. Only eagerly: a traced step computes it inside the
-        program, where the compiler shares it."""
+        extend stores at and reads the same slots. Only eagerly: a traced step computes it
+        inside the program, where the compiler shares it."""
         if self.backend.tracing(self.pos):
             return make()
         memo = self.__dict__.setdefault("_memo_", {})
@@ -410,8 +413,7 @@ class CacheIndex:
             return memo[key]
         value = make()
         # an index closed over by a traced step computes traced values: never keep those
-        parts = value if isinstance(value, tuple) else (value,)
-        if not any(self.backend.tracing(p) for p in parts if hasattr(p, "shape")):
+        if not any(self.backend.tracing(p) for p in _arrays(value)):
             memo[key] = value
         return value
 
@@ -481,6 +483,13 @@ class CacheIndex:
     def _last_of(self, cols: Any) -> Any:
         """Each lane's greatest position, shaped to broadcast against ``cols``."""
         return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
+
+
+def _arrays(value: Any) -> list[Any]:
+    """The arrays in ``value``: itself, or those of a (named) tuple, nested."""
+    if isinstance(value, tuple):
+        return [a for part in value for a in _arrays(part)]
+    return [value] if hasattr(value, "shape") else []
 
 
 def _clamp(xp: Any, x: Any, lo: int, hi: Any) -> Any:

@@ -1,5 +1,6 @@
 """The registry and the adapters' one operation: scatter with drop, on every backend."""
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -105,23 +106,52 @@ def test_cupy_without_a_device_says_why():
 
 
 def test_cupy_adapter_logic_with_numpy_standing_in(monkeypatch):
-    """The adapter's store and read, run with NumPy in CuPy's place: the redirect makes a plain
-    indexed store (which wraps -1 in CuPy) equal a store with drop."""
+    """The adapter's store and read, run with NumPy in CuPy's place and its kernels compiled
+    for the host (tests/cuda_emulation.py): a store outside the pool is skipped (CuPy would
+    wrap -1), a kept one at slot 0 lands, an unseen row is zero over NaN, each one launch."""
+    cuda_emulation = pytest.importorskip("cuda_emulation")
+    if cuda_emulation.COMPILER is None:
+        pytest.skip("no C++ compiler to build the row kernels for the host")
     import array_api_compat.numpy as cnp
 
+    from cacheidx.backends import cupy as cupy_backend
+
+    kernels = []
+
+    def raw_kernel(source, name):
+        kernels.append(cuda_emulation.Kernel(source, name))
+        return kernels[-1]
+
     fake = types.ModuleType("cupy")
-    fake.take, fake.where, fake.zeros = np.take, np.where, np.zeros
+    fake.ascontiguousarray, fake.empty, fake.int64 = np.ascontiguousarray, np.empty, np.int64
+    fake.take, fake.where, fake.RawKernel = np.take, np.where, raw_kernel
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    backend = CupyBackend(xp=cnp)
-    pool = np.arange(8, dtype=np.float32).reshape(4, 2)
-    out = backend.scatter(pool, np.array([-1, 4, 2**40, 0]), np.full((4, 2), 9, np.float32))
-    want = pool.copy()
-    want[0] = 9
-    assert np.array_equal(out, want) and np.array_equal(pool, np.arange(8).reshape(4, 2))
-    donated = backend.scatter(pool, np.array([1]), np.full((1, 2), 7, np.float32), donate=True)
-    assert donated is pool and pool[1, 0] == 7
-    got = backend.gather(pool, np.array([0, 3]), np.array([True, False]))
-    assert np.array_equal(got, [[0, 1], [0, 0]])
+    monkeypatch.setattr(cupy_backend, "_address", cuda_emulation.address)
+    cupy_backend._kernel.cache_clear()
+    try:
+        backend = CupyBackend(xp=cnp)
+        backend.same_library = lambda x: isinstance(x, np.ndarray)
+        pool = np.arange(8, dtype=np.float32).reshape(4, 2)
+        out = backend.scatter(pool, np.array([-1, 4, 2**40, 0]), np.full((4, 2), 9, np.float32))
+        want = pool.copy()
+        want[0] = 9
+        assert np.array_equal(out, want) and np.array_equal(pool, np.arange(8).reshape(4, 2))
+        donated = backend.scatter(pool, np.array([1]), np.full((1, 2), 7, np.float32),
+                                  donate=True)
+        assert donated is pool and pool[1, 0] == 7
+        pool[3] = np.nan
+        got = backend.gather(pool, np.array([0, 3]), np.array([True, False]))
+        assert np.array_equal(got, [[0, 1], [0, 0]])
+        assert sum(k.launches for k in kernels) == 3
+        index = ci.make(np.array([[1], [0]]), np.array([[2, 0, 3], [1, -1, 3]]))
+        index = dataclasses.replace(index, backend=backend)
+        seen, after = index.extend(np.ones((2, 1, 2), np.float32), pool.copy())
+        want_seen, want_after = ci.make(np.array([[1], [0]]), np.array(
+            [[2, 0, 3], [1, -1, 3]])).extend(np.ones((2, 1, 2), np.float32), pool.copy())
+        assert np.array_equal(seen, want_seen)
+        assert np.array_equal(after, want_after, equal_nan=True)
+    finally:
+        cupy_backend._kernel.cache_clear()
 
 
 def test_the_runner_reports_cuda_rows_as_no_device():

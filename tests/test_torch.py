@@ -611,3 +611,32 @@ def test_the_benchmark_runs(tmp_path):
     result = bench.main(["--quick", "--json", str(tmp_path / "out.json")])
     assert json.loads((tmp_path / "out.json").read_text())["ratios"] == result["ratios"]
     assert {r["what"] for r in result["rows"]} == {"extend", "baseline"}
+
+
+def test_the_linear_product_under_inference_mode_is_onednn_s_and_close():
+    """A model's linear layers go through ``backend.matmul``: under inference mode (a serving
+    step) on the CPU, oneDNN's linear (another summation order); elsewhere exactly ``@``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(8, 96), torch.randn(96, 40)
+    with Names() as seen:
+        same(BACKEND.matmul(a, b), a @ b)
+    assert "_linear_pointwise" not in seen.names
+    step = BACKEND.inference(lambda a, b: BACKEND.matmul(a, b))
+    with Names() as seen:
+        got = step(a, b)
+    if torch_backend._has_onednn():
+        assert "_linear_pointwise" in seen.names
+    torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
+    assert not torch.is_inference_mode_enabled()
+    with torch.inference_mode():  # anything else than float32 matrices: plain @
+        same(BACKEND.matmul(a.double(), b.double()), a.double() @ b.double())

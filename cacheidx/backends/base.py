@@ -95,6 +95,36 @@ class Backend:
         got = xp.take(pool, safe, axis=0)
         return xp.where(expand(xp, ok, pool.ndim), got, xp.zeros((), dtype=pool.dtype))
 
+    # -- plans: what an index keeps for every layer's pool of the same size ----------------
+    def store_plan(self, slots: Any, n: int) -> Any:
+        """What ``store`` needs to store at ``slots`` in a pool of ``n`` slots. An index keeps
+        it (eagerly) for every layer's pool, so a backend does here, once, the work that
+        depends only on the slots: finding the dropped stores, say."""
+        return slots
+
+    def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
+        """``scatter`` at the slots ``plan`` (from ``store_plan``) was made from."""
+        return self.scatter(pool, plan, rows, donate=donate)
+
+    def read_plan(self, slots: Any, ok: Any, n: int) -> Any:
+        """What ``read`` needs to gather ``slots`` where ``ok`` from a pool of ``n`` slots,
+        kept like ``store_plan``'s."""
+        return slots, ok
+
+    def read(self, pool: Any, plan: Any) -> Any:
+        """``gather`` of the slots and gate ``plan`` (from ``read_plan``) was made from."""
+        return self.gather(pool, *plan)
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        """``a @ b`` for a matrix ``b`` ``[in, out]``, a model's linear layer; a backend may
+        use a faster kernel for it."""
+        return a @ b
+
+    def inference(self, fn: Callable) -> Callable:
+        """``fn`` run eagerly with nothing recorded for differentiation (a serving step never
+        needs it), where the library records by default; ``fn`` itself elsewhere."""
+        return fn
+
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled") -> Callable:
         """Compile ``fn`` where the library has a compiler (in one of its ``modes``); eager

@@ -1,10 +1,15 @@
-"""CuPy: indexed store on sanitised targets (CuPy wraps an outside index silently), in place
-when donated; no compiler, so ``jit`` runs eagerly."""
+"""CuPy: eager stores and reads in one kernel each (:mod:`cacheidx.backends.rowkernels`): the
+store skips every slot outside the pool (CuPy's own indexed store would wrap ``-1`` silently),
+the read is one gated load per element; in place when donated. No compiler, so ``jit`` runs
+eagerly."""
 
 from __future__ import annotations
 
+import math
+from functools import cache
 from typing import Any
 
+from . import rowkernels
 from .base import Backend, expand, redirect_dropped
 
 
@@ -31,21 +36,48 @@ class CupyBackend(Backend):
 
         return array_api_compat.cupy
 
+    # an index keeps the slots as contiguous int64 (and the gate contiguous) for every layer
+    def store_plan(self, slots: Any, n: int) -> Any:
+        import cupy
+
+        return cupy.ascontiguousarray(slots, dtype=cupy.int64)
+
+    def read_plan(self, slots: Any, ok: Any, n: int) -> Any:
+        import cupy
+
+        return cupy.ascontiguousarray(slots, dtype=cupy.int64), cupy.ascontiguousarray(ok)
+
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
+        """One kernel storing each row at its slot, skipping a slot outside the pool (no
+        redirect); the pool is copied first unless donated."""
+        import cupy
+
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
-        target, rows = redirect_dropped(self.xp, pool, slots, rows)
         out = pool if donate else pool.copy()
-        out[target] = rows
+        slots = cupy.ascontiguousarray(slots, dtype=cupy.int64)
+        rows = cupy.ascontiguousarray(rows)
+        if not _run("cacheidx_store_rows", out, rows, (out, slots, rows),
+                    extra=(out.shape[0],)):
+            # a layout or size the kernel does not take: a redirected indexed store
+            target, rows = redirect_dropped(self.xp, out, slots, rows)
+            out[target] = rows
         return out
 
     def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
+        """One kernel: rows ``pool[slots]`` where ``ok``, all bits zero elsewhere."""
         import cupy
 
-        if pool.shape[0] == 0:
-            return cupy.zeros((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype)
+        out = cupy.empty((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype)
+        if pool.shape[0] == 0 or slots.shape[0] == 0:
+            out[...] = 0
+            return out
+        slots = cupy.ascontiguousarray(slots, dtype=cupy.int64)
+        ok = cupy.ascontiguousarray(ok)
+        if _run("cacheidx_gated_rows", pool, out, (pool, slots, ok, out)):
+            return out
         got = cupy.take(pool, cupy.where(ok, slots, 0), axis=0)
-        return cupy.where(expand(self.xp, ok, pool.ndim), got, 0)
+        return cupy.where(expand(self.xp, ok, pool.ndim), got, 0).astype(pool.dtype)
 
     def to_device(self, x: Any, device: Any) -> Any:
         import cupy
@@ -69,3 +101,32 @@ class CupyBackend(Backend):
 
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after.data.ptr == before.data.ptr
+
+
+def _address(a: Any) -> int:
+    return a.data.ptr
+
+
+def _run(name: str, pool: Any, rows: Any, arrays: tuple, extra: tuple = ()) -> bool:
+    """Launch the kernel ``name`` over the rows of ``rows`` (stored or read) where it takes
+    them (C-contiguous pool, sizes within its ints); whether it ran."""
+    import numpy as np
+
+    if not (pool.flags.c_contiguous and rows.flags.c_contiguous):
+        return False
+    row_bytes = pool.itemsize * math.prod(pool.shape[1:])
+    how = rowkernels.launch(rows.shape[0], row_bytes, (_address(pool), _address(rows)),
+                            slots=pool.shape[0])
+    if how is None:
+        return False
+    scalars = (rows.shape[0], how.words, *extra, how.group)
+    _kernel(name, how.word)((how.grid,), (how.block,),
+                            (*arrays, *(np.int32(s) for s in scalars)))
+    return True
+
+
+@cache
+def _kernel(name: str, word: int) -> Any:
+    import cupy
+
+    return cupy.RawKernel(rowkernels.source(word), name)

@@ -33,5 +33,39 @@ class NumpyBackend(Backend):
             got[~ok] = 0
         return got
 
+    def store_plan(self, slots: Any, n: int) -> Any:
+        """The kept stores' slots and rows (``None``: every row is kept), found once."""
+        import numpy as np
+
+        keep = inside(slots, n)
+        if keep.all():
+            return slots, None
+        take = np.flatnonzero(keep)
+        return slots[take], take
+
+    def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
+        target, take = plan
+        out = pool if donate else pool.copy()
+        out[target] = rows if take is None else rows[take]
+        return out
+
+    def read_plan(self, slots: Any, ok: Any, n: int) -> Any:
+        """The slots to take (0 where not ``ok``) and the rows to zero (``None``: none)."""
+        import numpy as np
+
+        unseen = np.flatnonzero(~ok)
+        return np.where(ok, slots, 0), (unseen if unseen.size else None)
+
+    def read(self, pool: Any, plan: Any) -> Any:
+        import numpy as np
+
+        safe, unseen = plan
+        if pool.shape[0] == 0:
+            return np.zeros((safe.shape[0], *pool.shape[1:]), dtype=pool.dtype)
+        got = pool.take(safe, axis=0)
+        if unseen is not None:
+            got[unseen] = 0
+        return got
+
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after is before

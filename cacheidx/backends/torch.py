@@ -3,18 +3,50 @@
 Every operation here keeps shapes static and never reads a tensor's value on the host (no
 boolean indexing, no ``.item()``), so one compiled graph serves every position and table and
 ``torch.compile(fullgraph=True)`` sees no break. torch raises on an index outside a tensor and
-wraps ``-1``; none of that reaches the user: stores go through
-:func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first.
+wraps ``-1``; none of that reaches the user: traced stores go through
+:func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first. Eager
+stores and reads use plans an index keeps for every layer (the kept rows and the rows to zero,
+found on the host on the CPU) and, on CUDA, one kernel each (``cacheidx::store_rows_``,
+``cacheidx::gated_rows``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from functools import cache
+from typing import Any, NamedTuple
 
-from .base import Backend, expand, redirect_dropped
+from . import rowkernels
+from .base import Backend, expand, inside, redirect_dropped
+
+
+class StorePlan(NamedTuple):
+    """A store an index keeps for every layer's pool of ``n`` slots. ``how``: ``"host"`` (the
+    kept rows found once on the host: ``take`` the rows kept, ``None`` when all are, and
+    ``target`` their slots), ``"device"`` (``target`` the slots as int64, for the
+    ``cacheidx::store_rows_`` op, which skips a dropped row itself) or ``"traced"``."""
+
+    how: str
+    slots: Any
+    n: int
+    target: Any = None
+    take: Any = None
+
+
+class ReadPlan(NamedTuple):
+    """A read an index keeps likewise. ``how``: ``"host"`` (``safe`` slots to select,
+    ``unseen`` the rows to zero, ``None`` when none is), ``"device"`` (``safe`` the slots as
+    int64 and ``ok`` contiguous, for the ``cacheidx::gated_rows`` op) or ``"traced"``."""
+
+    how: str
+    slots: Any
+    ok: Any
+    safe: Any = None
+    unseen: Any = None
 
 
 class TorchBackend(Backend):
@@ -32,13 +64,20 @@ class TorchBackend(Backend):
         return array_api_compat.torch
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
-        """One indexed store of the tokens' rows. A store outside the pool is sent where it
-        repeats a store that happens anyway (``redirect_dropped``), so it can neither raise,
-        wrap ``-1`` to the last slot, nor clobber a real write at slot 0. Donated, the rows go
-        into the caller's storage (``index_put_``; compiled by inductor, a store into the input
-        buffer): the cost is in the tokens, never in the slots. Otherwise the pool is copied."""
+        """One indexed store of the tokens' rows; a store outside the pool stores nothing.
+        Eagerly, through ``store_plan`` and ``store``. Traced (compiled, under autograd or a
+        functorch transform), a store outside the pool is sent where it repeats a store that
+        happens anyway (``redirect_dropped``), so it can neither raise, wrap ``-1`` to the last
+        slot, nor clobber a real write at slot 0; donated, the rows go into the caller's storage
+        (``index_put_``; compiled by inductor, a store into the input buffer): the cost is in
+        the tokens, never in the slots. Otherwise the pool is copied."""
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
+        if _traced(pool) or _traced(rows) or self.tracing(slots) or _traced(slots):
+            return self._scatter_traced(pool, slots, rows, donate)
+        return self.store(pool, self.store_plan(slots, pool.shape[0]), rows, donate=donate)
+
+    def _scatter_traced(self, pool: Any, slots: Any, rows: Any, donate: bool) -> Any:
         target, rows = redirect_dropped(self.xp, pool, slots, rows)
         if donate:
             return pool.index_put_((target,), rows)
@@ -49,25 +88,101 @@ class TorchBackend(Backend):
 
         Compiled, or under autograd (the values of a training step through a whole index) or
         a functorch transform: an index select under a ``where``, which inductor fuses into
-        one gated load. Eager: the select, then only the rows not read filled with zero by index
-        (``index_fill_``), where a ``where`` or ``masked_fill_`` would make a second pass over
-        every row. On the CPU the rows to fill are found on the host (``nonzero``: no device
-        to wait for); elsewhere the select goes into a buffer with one spare row, and every
-        row read names the spare instead, so that no shape depends on a value."""
+        one gated load. Eagerly, through ``read_plan`` and ``read``."""
+        if pool.shape[0] == 0:
+            return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
+        if _traced(pool) or self.tracing(slots) or _traced(slots):
+            return self._gather_traced(pool, slots, ok)
+        return self.read(pool, self.read_plan(slots, ok, pool.shape[0]))
+
+    def _gather_traced(self, pool: Any, slots: Any, ok: Any) -> Any:
         import torch
 
-        n = slots.shape[0]
+        got = pool.index_select(0, torch.where(ok, slots, 0))
+        return torch.where(expand(self.xp, ok, pool.ndim), got, pool.new_zeros(()))
+
+    # -- plans: an eager index finds, once for every layer, what its stores and reads need --
+    def store_plan(self, slots: Any, n: int) -> StorePlan:
+        """On the CPU the kept stores are found on the host, so a store is the hand-written one
+        (``index_copy_``, after selecting the kept rows only where some are dropped); on a
+        device, ``cacheidx::store_rows_`` skips the dropped ones itself, in one kernel."""
+        import torch
+
+        if self.tracing(slots) or _traced(slots):
+            return StorePlan("traced", slots, n)
+        if _on_host(slots):
+            keep = inside(slots, n)
+            if bool(keep.all()):
+                return StorePlan("host", slots, n, slots.long())
+            take = torch.nonzero(keep)[:, 0]
+            return StorePlan("host", slots, n, slots.index_select(0, take).long(), take)
+        _define_ops()
+        return StorePlan("device", slots, n, slots.long().contiguous())
+
+    def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
+        import torch
+
+        if pool.shape[0] == 0 or rows.shape[0] == 0:
+            return pool
+        if plan.how == "traced" or _traced(pool) or _traced(rows):
+            return self._scatter_traced(pool, plan.slots, rows, donate)
+        if plan.how == "host":
+            if plan.take is not None:
+                rows = rows.index_select(0, plan.take)
+            return (pool.index_copy_ if donate else pool.index_copy)(0, plan.target, rows)
+        out = pool if donate else pool.clone()
+        torch.ops.cacheidx.store_rows_(out, plan.target, rows)
+        return out
+
+    def read_plan(self, slots: Any, ok: Any, n: int) -> ReadPlan:
+        """On the CPU the rows to zero are found on the host (a select, then ``index_fill_``
+        of those rows only); on a device ``cacheidx::gated_rows`` reads in one kernel."""
+        import torch
+
+        if self.tracing(slots) or _traced(slots):
+            return ReadPlan("traced", slots, ok)
+        if _on_host(slots, ok):
+            safe = torch.where(ok, slots, 0)
+            unseen = torch.nonzero(~ok)[:, 0]
+            return ReadPlan("host", slots, ok, safe, unseen if unseen.numel() else None)
+        _define_ops()
+        return ReadPlan("device", slots, ok.contiguous(), slots.long().contiguous())
+
+    def read(self, pool: Any, plan: Any) -> Any:
+        import torch
+
         if pool.shape[0] == 0:
-            return pool.new_zeros((n, *pool.shape[1:]))
-        safe = torch.where(ok, slots, 0)
-        if _traced(pool):
-            return torch.where(expand(self.xp, ok, pool.ndim), pool.index_select(0, safe), 0)
-        if _on_host(pool, ok):
-            return pool.index_select(0, safe).index_fill_(0, torch.nonzero(~ok)[:, 0], 0)
-        out = pool.new_empty((n + 1, *pool.shape[1:]))
-        torch.index_select(pool, 0, safe, out=out[:n])
-        rows = torch.arange(n, device=slots.device)
-        return out.index_fill_(0, torch.where(ok, n, rows), 0)[:n]  # rows read: the spare
+            return pool.new_zeros((plan.slots.shape[0], *pool.shape[1:]))
+        if plan.how == "traced" or _traced(pool):
+            return self._gather_traced(pool, plan.slots, plan.ok)
+        if plan.how == "host":
+            got = pool.index_select(0, plan.safe)
+            return got if plan.unseen is None else got.index_fill_(0, plan.unseen, 0)
+        return torch.ops.cacheidx.gated_rows(pool, plan.safe, plan.ok)
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        """``a @ b`` for a weight ``b`` ``[in, out]``. On the CPU in float32 under inference
+        mode: oneDNN's linear over ``b``'s transpose (a view), which at a few rows streams the
+        weight a third faster than MKL's GEMM behind ``@`` (its sums run in another order: the
+        last bits differ)."""
+        if _onednn_linear(a, b):
+            import torch
+
+            return torch.ops.mkldnn._linear_pointwise(a, b.mT, None, "none", [None], "")
+        return a @ b
+
+    def inference(self, fn: Callable) -> Callable:
+        """``fn`` under ``torch.inference_mode()``: no autograd bookkeeping per operation."""
+        import functools
+
+        import torch
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.inference_mode():
+                return fn(*args, **kwargs)
+
+        return run
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled") -> Callable:
@@ -244,6 +359,127 @@ def _traced(pool: Any) -> bool:
 
     return (torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled())
             or torch._C._are_functorch_transforms_active())
+
+
+# -- the eager device operations: one kernel each on CUDA ------------------------------------
+def _define_ops() -> None:
+    """``cacheidx::store_rows_`` and ``cacheidx::gated_rows``, torch operators (so that a
+    dispatch mode or the profiler counts each as one) with the kernels of
+    :mod:`cacheidx.backends.rowkernels` on CUDA and plain torch elsewhere."""
+    import torch
+
+    if hasattr(torch.ops.cacheidx, "gated_rows"):
+        return
+    lib = torch.library.Library("cacheidx", "FRAGMENT")  # other modules may add their own
+    lib.define("store_rows_(Tensor(a!) pool, Tensor slots, Tensor rows) -> ()")
+    lib.define("gated_rows(Tensor pool, Tensor slots, Tensor ok) -> Tensor")
+    lib.impl("store_rows_", _store_rows, "CompositeExplicitAutograd")
+    lib.impl("gated_rows", _gated_rows, "CompositeExplicitAutograd")
+    torch.library.register_fake("cacheidx::store_rows_", lambda pool, slots, rows: None,
+                                lib=lib)
+    torch.library.register_fake(
+        "cacheidx::gated_rows",
+        lambda pool, slots, ok: pool.new_empty((slots.shape[0], *pool.shape[1:])), lib=lib)
+    _LIBRARY.append(lib)  # a Library unregisters its operators when collected
+
+
+_LIBRARY: list[Any] = []
+
+
+def _store_rows(pool: Any, slots: Any, rows: Any) -> None:
+    """Row ``i`` of ``rows`` into slot ``slots[i]`` of ``pool`` (int64 slots); a slot outside
+    the pool stores nothing."""
+    rows = rows.contiguous()
+    n = pool.shape[0]
+    if _cuda_rows("cacheidx_store_rows", pool, rows, (pool, slots, rows), extra=(n,)):
+        return
+    # elsewhere: the dropped rows repeat a store that happens anyway (``redirect_dropped``)
+    import array_api_compat.torch as xp
+
+    target, rows = redirect_dropped(xp, pool, slots, rows)
+    pool.index_put_((target,), rows)
+
+
+def _gated_rows(pool: Any, slots: Any, ok: Any) -> Any:
+    """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere (int64 slots, bool ``ok``)."""
+    import torch
+
+    out = pool.new_empty((slots.shape[0], *pool.shape[1:]))
+    if _cuda_rows("cacheidx_gated_rows", pool, out, (pool, slots, ok, out)):
+        return out
+    got = pool.index_select(0, torch.where(ok, slots, 0))
+    return torch.where(expand(torch, ok, pool.ndim), got, pool.new_zeros(()))
+
+
+def _cuda_rows(name: str, pool: Any, rows: Any, args: tuple, extra: tuple = ()) -> bool:
+    """Run the kernel ``name`` over the rows of ``rows`` (the values stored, or the rows
+    read) where it can: CUDA, contiguous buffers, sizes that fit its ints. Whether it ran."""
+    if not (_kernels_on(pool) and pool.is_contiguous() and rows.is_contiguous()):
+        return False
+    row_bytes = pool.element_size() * math.prod(pool.shape[1:])
+    how = rowkernels.launch(rows.shape[0], row_bytes, (pool.data_ptr(), rows.data_ptr()),
+                            slots=pool.shape[0])
+    kernel = None if how is None else _kernel(name, how.word, pool.device.index)
+    if kernel is None:
+        return False
+    kernel(grid=(how.grid, 1, 1), block=(how.block, 1, 1),
+           args=[*args, rows.shape[0], how.words, *extra, how.group])
+    return True
+
+
+def _kernels_on(x: Any) -> bool:
+    """Whether the row kernels run where ``x`` lies: CUDA (not ROCm, where NVRTC is not)."""
+    import torch
+
+    return x.is_cuda and torch.version.hip is None
+
+
+@cache
+def _kernel(name: str, word: int, device: int | None) -> Any:
+    """The kernel ``name`` for words of ``word`` bytes, compiled by NVRTC once per device;
+    ``None`` (with a warning, once) where it cannot be compiled."""
+    import tempfile
+
+    import torch
+    import torch.utils.cpp_extension as ext
+
+    home = ext.CUDA_HOME
+    try:
+        # torch's NVRTC wrapper adds $CUDA_HOME/include, and raises without a toolkit; the
+        # kernels include no header, so any folder serves (NVRTC itself comes with the wheel)
+        if home is None:
+            ext.CUDA_HOME = tempfile.gettempdir()
+        with torch.cuda.device(device):
+            return torch.cuda._compile_kernel(rowkernels.source(word), name)
+    except Exception as e:  # no NVRTC, an old torch: plain torch then
+        warnings.warn(f"cacheidx: the CUDA kernel {name} did not compile ({type(e).__name__}: "
+                      f"{e}); eager stores and reads use plain torch operations", stacklevel=3)
+        return None
+    finally:
+        ext.CUDA_HOME = home
+
+
+def _onednn_linear(a: Any, b: Any) -> bool:
+    """Whether ``a @ b`` may go to oneDNN's linear: under ``torch.inference_mode()`` (a serving
+    step, :meth:`TorchBackend.inference`; elsewhere eager stays bit for bit what a compiler
+    without fusion computes), plain float32 CPU tensors, ``b`` a matrix, no compiler or
+    functorch transform, oneDNN built in."""
+    import torch
+
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return False  # first: a compiler never traces the rest
+    return (type(a) is torch.Tensor and type(b) is torch.Tensor and b.ndim == 2
+            and a.ndim >= 2 and a.dtype == torch.float32 and b.dtype == torch.float32
+            and a.device.type == "cpu" and b.device.type == "cpu" and _has_onednn()
+            and not torch._C._are_functorch_transforms_active())
+
+
+@cache
+def _has_onednn() -> bool:
+    import torch
+
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
 
 
 def _on_host(*tensors: Any) -> bool:

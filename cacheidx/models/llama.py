@@ -271,19 +271,34 @@ def _masked_softmax(xp, scores, mask):
     return e / xp.where(total > 0, total, 1.0)
 
 
-def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None, reduce=None):
+def _at(a, b):
+    return a @ b
+
+
+def _products(product, mantissa):
+    """The linear layers' product: ``product`` (a backend's fast one), or ``@``; with inputs
+    rounded to ``mantissa`` bits when given (:func:`matmul`)."""
+    if mantissa is None:
+        return product or _at
+    return lambda a, b: matmul(a, b, mantissa)
+
+
+def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None, reduce=None,
+          product=None):
     """One decoder layer over ``x`` ``[batch * seq, dim]`` (tokens flattened, so every linear is
-    one matrix product): returns ``(x, (k_pool, v_pool))``. ``reduce``, when given, is applied
-    to the attention's and the MLP's output projections before each joins the residual: under
-    tensor parallelism it sums every rank's part (``cacheidx.parallel``)."""
+    one matrix product, ``product(x, w)``, ``x @ w`` by default): returns
+    ``(x, (k_pool, v_pool))``. ``reduce``, when given, is applied to the attention's and the
+    MLP's output projections before each joins the residual: under tensor parallelism it sums
+    every rank's part (``cacheidx.parallel``)."""
     xp = xp or array_namespace(x)
     c = config
     m = c.matmul_mantissa
+    mm = _products(product, m)
     b, s = cos.shape[0], cos.shape[1]
     h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
-    q = xp.reshape(matmul(h, p["wq"], m), (b, s, c.heads, c.head_dim))
-    k = xp.reshape(matmul(h, p["wk"], m), (b, s, c.kv_heads, c.head_dim))
-    v = xp.reshape(matmul(h, p["wv"], m), (b, s, c.kv_heads, c.head_dim))
+    q = xp.reshape(mm(h, p["wq"]), (b, s, c.heads, c.head_dim))
+    k = xp.reshape(mm(h, p["wk"]), (b, s, c.kv_heads, c.head_dim))
+    v = xp.reshape(mm(h, p["wv"]), (b, s, c.kv_heads, c.head_dim))
     q = rotate(q, cos, sin, xp=xp)
     k = rotate(k, cos, sin, xp=xp)
     kpool, vpool = pools
@@ -291,10 +306,9 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     seen_v, vpool = index.extend(v, vpool, donate=donate)
     o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
     reduce = reduce or _same
-    x = x + reduce(matmul(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"], m))
+    x = x + reduce(mm(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"]))
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
-    x = x + reduce(matmul(_silu(matmul(h, p["w_gate"], m), xp) * matmul(h, p["w_up"], m),
-                          p["w_down"], m))
+    x = x + reduce(mm(_silu(mm(h, p["w_gate"]), xp) * mm(h, p["w_up"]), p["w_down"]))
     return x, (kpool, vpool)
 
 
@@ -317,8 +331,10 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     :func:`layer` (binding the config and options itself): a compiled one is traced once and
     serves every layer, which is regional compilation.
     """
-    # the index's namespace where it names one (resolved once, outside any compiled step)
+    # the index's namespace where it names one (resolved once, outside any compiled step), and
+    # its backend's product for the linear layers
     xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
+    product = getattr(getattr(index, "backend", None), "matmul", None)
     c = config
     b, s = tokens.shape
     embed = params["embed"]
@@ -327,7 +343,8 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     out = []
     for p, pool in zip(params["layers"], pools, strict=True):
         if each is None:
-            x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce)
+            x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce,
+                            product=product)
         else:
             x, pool = each(p, x, cos, sin, index, pool)
         out.append(pool)
@@ -336,5 +353,5 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
         s = 1
     x = rms_norm(x, params["norm"], c.eps, xp=xp)
     head = params["out"] if not c.tied else xp.matrix_transpose(embed)
-    logits = matmul(x, head, c.matmul_mantissa)
+    logits = _products(product, c.matmul_mantissa)(x, head)
     return xp.reshape(logits, (b, s, logits.shape[-1])), out

@@ -110,7 +110,8 @@ class Step:
             most = max(self.bound.values()) if self.bound else 64
             self._prefill, self._decode = _compiled(model, be, most)
         else:
-            self._prefill, self._decode = _steps(model, self.xp)
+            # eagerly, nothing recorded for differentiation (torch: its fast linear layers)
+            self._prefill, self._decode = map(be.inference, _steps(model, self.xp))
         self._buffers: dict[tuple, Any] = {}
         self._table: tuple | None = None  # (columns, version, array)
         self._fed: _Fed | None = None
