@@ -123,3 +123,16 @@ def test_the_cli_writes_one_report_with_devices_named_one_way(tmp_path):
         ("numpy", "cpu", "pass"), ("strict", "cpu", "pass")]
     assert report["wall_seconds"] > 0 and all(r["seconds"] >= 0 for r in rows)
     assert rows[0]["version"] and rows[0]["precision"]["policy"] == "highest"
+
+
+def test_jax_on_a_gpu_machine_lists_its_gpus_then_the_host(monkeypatch):
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    host = types.SimpleNamespace(platform="cpu", id=0)
+
+    def listed(platform=None):
+        return [host] if platform == "cpu" else fake_jax_devices()
+
+    monkeypatch.setattr(jax, "devices", listed)
+    backend = ci.backends.get("jax")
+    assert [backend.device_label(d) for d in backend.devices()] == ["cuda:0", "cuda:1", "cpu"]
+    assert devices.resolve(backend, "cpu") is host

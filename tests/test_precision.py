@@ -11,7 +11,6 @@ from cacheidx.conformance import LAWS, model
 from cacheidx.conformance.precision import GROWTH, Precision
 from cacheidx.conformance.runner import run_job
 from cacheidx.conformance.suite import Case, Session
-from cacheidx.index import CacheIndex
 from cacheidx.models.llama import matmul
 
 MODEL_LAWS = [law for law in LAWS if law.fn.__module__ == model.__name__]
@@ -67,17 +66,17 @@ def test_the_model_laws_hold_with_tf32_products(name, mode):
 
 @pytest.fixture
 def one_wrong_slot(monkeypatch):
-    """The index's read takes, for the first column it reads, the neighbouring slot."""
-    plan = CacheIndex._read_plan
+    """NumPy's reads take, for the first column they read, the neighbouring slot."""
+    cls = type(ci.backends.get("numpy"))
+    plan = cls.read_plan
 
-    def planted(self, n):
-        shape, slots, ok = plan(self, n)
+    def planted(self, slots, ok, n):
         xp = self.xp
         first = xp.argmax(xp.astype(ok, xp.int8))
         wrong = xp.arange(slots.shape[0], dtype=slots.dtype) == xp.astype(first, slots.dtype)
-        return shape, xp.where(wrong, (slots + 1) % n, slots), ok
+        return plan(self, xp.where(wrong, (slots + 1) % n, slots), ok, n)
 
-    monkeypatch.setattr(CacheIndex, "_read_plan", planted)
+    monkeypatch.setattr(cls, "read_plan", planted)
 
 
 def test_a_wrong_slot_fails_the_model_laws_under_tf32(one_wrong_slot):

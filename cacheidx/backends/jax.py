@@ -120,9 +120,16 @@ class JaxBackend(Backend):
         return None
 
     def devices(self) -> list[Any]:
+        """The default platform's devices, then the host's: on a GPU machine JAX's default is
+        its GPUs, and the CPU is there too."""
         import jax
 
-        return list(jax.devices())
+        found = list(jax.devices())
+        try:
+            host = jax.devices("cpu")
+        except RuntimeError:  # a JAX built without its CPU platform
+            host = []
+        return found + [d for d in host if d not in found]
 
     def tracing(self, x: Any) -> bool:
         import jax
