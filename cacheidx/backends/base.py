@@ -170,6 +170,11 @@ class Backend:
         keeps up to ``programs`` compiled shapes."""
         return self.jit(fn, donate_argnums=donate_argnums)
 
+    def static_shape(self, x: Any) -> Any:
+        """``x``, whose shape a compiled step may take as fixed (a model's weights), even where
+        it compiles with symbolic shapes. Returns ``x``."""
+        return x
+
     def fix(self, x: Any) -> Any:
         """``x``, promised to every call of a ``jit_step`` program at this address (its memory
         is written between calls, never replaced). Returns ``x``."""

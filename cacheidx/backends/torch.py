@@ -198,10 +198,14 @@ class TorchBackend(Backend):
 
     @contextlib.contextmanager
     def many_programs(self) -> Iterator[None]:
+        """Past dynamo's recompile limits; and Python integers a step reads (a model's head
+        counts, an index's window) specialised, so that symbolic shapes are the tensors' alone,
+        as a served model compiles (its hyperparameters constant): made symbolic, they cost
+        symbolic reasoning on every layer and prove nothing of the index."""
         import torch
 
-        with torch._dynamo.config.patch(recompile_limit=4096,
-                                        accumulated_recompile_limit=65536):
+        with torch._dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536,
+                                        specialize_int=True):
             yield
 
     def device_label(self, device: Any) -> str:
@@ -252,6 +256,12 @@ class TorchBackend(Backend):
 
         step._torchdynamo_orig_callable = fn  # where programs() counts them
         return step
+
+    def static_shape(self, x: Any) -> Any:
+        import torch
+
+        torch._dynamo.mark_static(x)
+        return x
 
     def fix(self, x: Any) -> Any:
         import torch

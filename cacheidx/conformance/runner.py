@@ -66,18 +66,17 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
 
 
 def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], str | None]]:
-    """The jobs of a target, one worker each: ``(modes, family)`` where ``family`` narrows the
-    laws to the index's or the model's (``None``: all). Without ``modes``: every mode the
-    backend has but ``automatic``, whose behaviour across shapes one law checks in the static
-    run (a whole run in it is ``--mode automatic``). A backend that compiles gets a job per
-    family, so that the cores share the work evenly."""
-    backend = backends.get(target["backend"])
-    have = [m for m in MODES if m == "eager" or m in backend.modes]
+    """The jobs of a target, one worker each: ``(modes, family)``, the modes run one after
+    another in one process (so it imports its library once) over the laws of ``family`` (the
+    index's or the model's; ``None``: all). Without ``modes``: every mode the backend has but
+    ``automatic``, whose behaviour across shapes one law checks in the dynamic run (a whole run
+    in it is ``--mode automatic``). A backend that compiles gets a job per family, so that the
+    cores share the work evenly."""
+    cls = backends._class(target["backend"])
+    have = [m for m in MODES if m == "eager" or m in cls.modes]
     have = [m for m in have if m in modes] if modes else [m for m in have if m != "automatic"]
-    first = [m for m in have if m in ("eager", "compiled")]
-    groups = ([first] if first else []) + [[m] for m in have if m not in first]
-    families = ["index", "model"] if backend.modes else [None]
-    return [(group, family) for group in groups for family in families]
+    families = ["index", "model", "shapes"] if cls.modes else [None]
+    return [(have, family) for family in families] if have else []
 
 
 def run_one(law: Any, case: Case) -> str | None:
@@ -151,11 +150,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     """The report: one entry per backend and device, each mode's laws in it."""
     found = targets(names, device)
     todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
-    # the longest first, so that the last jobs to start are short: compiling modes, symbolic
-    # shapes, the decoder's laws, JAX's eager per-operation compiles
-    todo.sort(key=lambda tj: (len(tj[1][0]) > 1 or tj[1][0] != ["eager"],
-                              "dynamic" in tj[1][0] or "automatic" in tj[1][0],
-                              tj[1][1] == "model", tj[0]["backend"] == "jax"), reverse=True)
+    todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
     options = {"precision": precision, "torch_compiler": torch_compiler}
     workers = workers or os.cpu_count() or 1
     results: dict[tuple[str, str], list[dict]] = {}
@@ -201,6 +196,14 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         report.append(_entry(t, results.get((t["backend"], t["device"]), [])))
     say(f"all jobs: {time.perf_counter() - start:.1f} s")
     return report
+
+
+def _weight(backend: str, modes: list[str], family: str | None) -> tuple:
+    """A job's rough cost, to start the longest first (so the last to start are short): the
+    index's and the model's laws before the one law across shapes, then the more compiled
+    modes, then JAX (whose eager run compiles every operation once per shape)."""
+    return {"index": 2, "model": 2, "shapes": 1}.get(family, 0), len(modes), \
+        backend == "jax", family == "index"
 
 
 def _read(out: str, err: str, t: dict, job: tuple, code: int) -> dict:

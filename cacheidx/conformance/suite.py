@@ -41,16 +41,14 @@ class Law:
     doc: str
     eager_only: bool = False
     compiled_only: bool = False
+    #: ``"index"`` (the index's own laws), ``"model"`` (the decoder's through it) or
+    #: ``"shapes"`` (one step across shapes): a runner's jobs split the laws by family
+    family: str = "index"
 
     def runs(self, mode: str | bool) -> bool:
         """Whether the law has something to check in ``mode`` (``True``: any compiled one)."""
         compiled = mode not in ("eager", False)
         return not (self.eager_only and compiled or self.compiled_only and not compiled)
-
-    @property
-    def family(self) -> str:
-        """``"index"`` for the index's own laws, ``"model"`` for the decoder's through it."""
-        return "model" if self.fn.__module__.endswith(".model") else "index"
 
     def __call__(self, case: Case) -> None:
         self.fn(case)
@@ -59,14 +57,16 @@ class Law:
 LAWS: list[Law] = []
 
 
-def law(fn: Callable | None = None, *, eager_only: bool = False,
-        compiled_only: bool = False) -> Any:
+def law(fn: Callable | None = None, *, eager_only: bool = False, compiled_only: bool = False,
+        family: str | None = None) -> Any:
     """Register a law; its name is the function's, less ``law_``; its doc the docstring's
-    first line."""
+    first line; its family ``family``, else its module's (``model`` for the decoder's)."""
 
     def register(f: Callable) -> Callable:
         doc = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
-        LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only, compiled_only))
+        kind = family or ("model" if f.__module__.endswith(".model") else "index")
+        LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only, compiled_only,
+                        kind))
         return f
 
     return register(fn) if fn is not None else register
