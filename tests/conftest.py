@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# every tensor here is tiny: one thread a process, so that ranks and workers started by the
+# tests never oversubscribe the cores (read by torch when it is first imported, below)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 import cacheidx as ci
