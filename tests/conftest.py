@@ -29,3 +29,12 @@ BACKENDS = ["numpy", "strict", "torch", "jax", "cupy"]
 def backend(request) -> ci.backends.Backend:
     """Every backend; one that cannot run here is skipped with its reason."""
     return backend_or_skip(request.param)
+
+
+def pytest_configure(config) -> None:
+    # our own suite runs the laws in every mode, torch's automatic dynamic shapes included
+    # (the plugin's default, and the CLI's, leave that whole run out)
+    from cacheidx.conformance.suite import MODES
+
+    if not config.getoption("cacheidx_mode"):
+        config.option.cacheidx_mode = list(MODES)
