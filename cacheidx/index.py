@@ -98,6 +98,10 @@ class CacheIndex:
         """The index's tensors, in the spec's walk order."""
         return _flatten(self)[0]
 
+    def __getstate__(self) -> dict:
+        # the plans kept for the next layer belong to this process's arrays: never pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_memo_"}
+
     def __repr__(self) -> str:
         s = self.structure
         parts = [f"{s.kind}", f"batch={self.batch}", f"seq={self.seq}", f"context={self.context}"]

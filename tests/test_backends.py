@@ -173,3 +173,19 @@ def test_an_index_closed_over_by_a_jitted_step_keeps_no_tracer():
     traced, _ = jax.jit(lambda v, p: ix.extend(v, p))(v, pool)
     eager, _ = ix.extend(v, pool)
     assert np.array_equal(np.asarray(traced), np.asarray(eager))
+
+
+def test_a_pickled_index_leaves_the_plans_it_keeps_for_the_next_layer_behind():
+    """An index keeps its store and read plans (this process's arrays, a backend's own types)
+    for every layer's pool; pickled (torch.export saves its example inputs so), it carries its
+    tensors and structure alone, and computes the plans again."""
+    import pickle
+
+    ix = ci.rows(8, [3, 5])
+    values, pool = np.ones((2, 5, 2), np.float32), np.zeros((16, 2), np.float32)
+    seen, _ = ix.extend(values, pool)
+    assert ix.__dict__.get("_memo_"), "extend kept no plan"
+    back = pickle.loads(pickle.dumps(ix))
+    assert "_memo_" not in back.__dict__ and back.structure == ix.structure
+    again, _ = back.extend(values, pool)
+    assert np.array_equal(again, seen)
