@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from .. import build
-from ..models.llama import Config, empty_pools, forward, layer, random_params
+from ..models.llama import Config, empty_pools, forward, layer, random_params, tree_map
 from .laws import index, on
 from .suite import Case, agree, law
 
@@ -63,19 +63,11 @@ def setup(case: Case, *, fill: float = np.nan):
         params = random_params(config(case.policy.emulate), seed=0, xp=case.xp,
                                device=case.device)
         # a served model's weights never change shape: symbolic shapes are the calls'
-        params = case.session.memo["params"] = _each(case.backend.static_shape, params)
+        params = case.session.memo["params"] = tree_map(case.backend.static_shape, params)
     pools = [(case.array(np.full(p.shape, fill, np.float32)),
               case.array(np.full(p.shape, fill, np.float32)))
              for p, _ in empty_pools(config(None), SLOTS)]
     return params, pools
-
-
-def _each(f, tree):
-    if isinstance(tree, dict):
-        return {k: _each(f, v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_each(f, v) for v in tree]
-    return f(tree)
 
 
 def tokens(case: Case, *rows: list[int]):

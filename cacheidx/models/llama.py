@@ -30,6 +30,7 @@ __all__ = [
     "random_params",
     "rms_norm",
     "rotate",
+    "tree_map",
 ]
 
 
@@ -108,6 +109,16 @@ def random_params(config: Config, *, seed: int = 0, xp=None, device=None, dtype=
     if not c.tied:
         params["out"] = linear(c.dim, c.vocab)
     return convert(params, xp=xp, device=device, dtype=dtype)
+
+
+def tree_map(f, tree, *more):
+    """``f`` over the arrays of a params pytree (nested dicts, lists and tuples), taking the
+    matching leaves of ``more`` trees of the same structure as further arguments."""
+    if isinstance(tree, dict):
+        return {k: tree_map(f, v, *(m[k] for m in more)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(tree_map(f, *leaves) for leaves in zip(tree, *more, strict=True))
+    return f(tree, *more)
 
 
 def convert(params, *, xp=None, device=None, dtype=None):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..models import llama
-from .tensor import cuts, shard, split, tree_map
+from .tensor import cuts, shard, split
 
 __all__ = ["JaxGroup", "TorchGroup", "group", "initialize"]
 
@@ -147,8 +147,8 @@ class TorchGroup:
 
         mine = shard(params, config, self.rank, self.size)
         placed = llama.convert(mine, xp="torch", device=self.device)
-        return split(config, self.size), tree_map(placed, placed, lambda w, _: w.contiguous()
-                                                  if isinstance(w, torch.Tensor) else w)
+        return split(config, self.size), llama.tree_map(
+            lambda w: w.contiguous() if isinstance(w, torch.Tensor) else w, placed)
 
     def pools(self, config: llama.Config, slots: int, like: Any) -> list:
         """This rank's pools, ``[slots, kv_heads, head_dim]`` of its split ``config``."""
@@ -215,8 +215,8 @@ class JaxGroup:
         from jax.sharding import NamedSharding
 
         local = split(config, self.size)
-        placed = tree_map(params, cuts(params), lambda w, axis: jax.device_put(
-            np.asarray(w), NamedSharding(self.mesh, self._spec(axis))))
+        placed = llama.tree_map(lambda w, axis: jax.device_put(
+            np.asarray(w), NamedSharding(self.mesh, self._spec(axis))), params, cuts(params))
         return local, placed
 
     def pools(self, config: llama.Config, slots: int, like: Any = None) -> list:
@@ -244,7 +244,7 @@ class JaxGroup:
             from jax.experimental.shard_map import shard_map
 
         def run(params: dict, tokens: Any, index: Any, pools: list) -> Any:
-            specs = tree_map(params, cuts(params), lambda _, axis: self._spec(axis))
+            specs = llama.tree_map(lambda _, axis: self._spec(axis), params, cuts(params))
             return shard_map(step, mesh=self.mesh, in_specs=(specs, whole, whole, self.cut.spec),
                              out_specs=(whole, self.cut.spec))(params, tokens, index, pools)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.llama import Config
+from ..models.llama import Config, tree_map
 
-__all__ = ["CUTS", "cuts", "shard", "split", "tree_map"]
+__all__ = ["CUTS", "cuts", "shard", "split"]
 
 #: the axis of each layer weight cut across ranks: 1 for columns, 0 for rows
 CUTS = {"wq": 1, "wk": 1, "wv": 1, "w_gate": 1, "w_up": 1, "wo": 0, "w_down": 0}
@@ -55,7 +55,7 @@ def shard(params: dict, config: Config, rank: int, k: int) -> dict:
     split(config, k)
     if not isinstance(rank, int) or not 0 <= rank < k:
         raise ValueError(f"cacheidx.parallel.shard: rank must be in range({k}), got {rank!r}")
-    return tree_map(params, cuts(params), lambda w, axis: _slice(w, axis, rank, k))
+    return tree_map(lambda w, axis: _slice(w, axis, rank, k), params, cuts(params))
 
 
 def _slice(w: Any, axis: int | None, rank: int, k: int) -> Any:
@@ -70,10 +70,3 @@ def _slice(w: Any, axis: int | None, rank: int, k: int) -> Any:
     return w[:, part] if axis == 1 else w[part, :]
 
 
-def tree_map(tree: Any, spec: Any, fn: Any) -> Any:
-    """``fn(leaf, spec_leaf)`` over two trees of the same dicts and lists."""
-    if isinstance(tree, dict):
-        return {key: tree_map(tree[key], spec[key], fn) for key in tree}
-    if isinstance(tree, list | tuple):
-        return [tree_map(t, s, fn) for t, s in zip(tree, spec, strict=True)]
-    return fn(tree, spec)

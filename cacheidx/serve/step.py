@@ -36,6 +36,7 @@ import numpy as np
 import cacheidx as ci
 
 from .. import devices
+from ..models.llama import tree_map
 from .scheduler import Batch
 
 __all__ = ["Step", "buckets", "to_host"]
@@ -105,8 +106,8 @@ class Step:
                       "buckets": {"prefill": lane_sizes * token_sizes * pages,
                                   "decode": lane_sizes * pages}}.get(shapes)
         if self.compiled:
-            self.weights = _tree(be.fix, self.weights)
-            self.pools = _tree(be.fix, self.pools)
+            self.weights = tree_map(be.fix, self.weights)
+            self.pools = tree_map(be.fix, self.pools)
             most = max(self.bound.values()) if self.bound else 64
             self._prefill, self._decode = _compiled(model, be, most)
         else:
@@ -160,7 +161,8 @@ class Step:
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
             self._fed = _Fed(key, chosen, nxt)
-        self.pools = _tree(self.backend.refill, self.pools, pools) if self.compiled else pools
+        self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
+                      else pools)
         out = self._host(chosen).reshape(-1)[:lanes]
         kept = self._host(logits)[:lanes] if self.keep_logits else None
         return out, kept, new
@@ -225,10 +227,3 @@ def _compiled(model: Any, backend: Any, programs: int) -> tuple[Any, Any]:
     return have[1], have[2]
 
 
-def _tree(f: Any, tree: Any, *more: Any) -> Any:
-    """``f`` over the arrays of nested dicts, lists and tuples (of the same structure)."""
-    if isinstance(tree, dict):
-        return {k: _tree(f, v, *(m[k] for m in more)) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_tree(f, v, *(m[i] for m in more)) for i, v in enumerate(tree))
-    return f(tree, *more)
