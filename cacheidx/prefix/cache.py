@@ -33,12 +33,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import _check as check
 from .pages import PageError
 
 __all__ = ["CachedPage", "Hold", "Match", "PrefixCache", "lru"]
@@ -346,15 +346,7 @@ class PrefixCache:
 
 
 def _integer(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{_WHERE}: {name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{_WHERE}: {name} must be an integer, got {value!r}") from None
-    if value < least:
-        raise ValueError(f"{_WHERE}: {name} must be at least {least}, got {value}")
-    return value
+    return check.integer("prefix.PrefixCache", name, value, least=least)
 
 
 def _bytes(op: str, tokens: Any) -> bytes:
