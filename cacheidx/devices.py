@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["canonical", "label", "matches", "resolve", "found"]
+__all__ = ["canonical", "label", "resolve", "found"]
 
 _ALIASES = {"gpu": "cuda"}
 _NAME = re.compile(r"^([a-z]+)(?::(\d+))?$")
@@ -38,11 +38,6 @@ def label(kind: str, number: int | None = None) -> str:
     ``rocm``, ``cpu``, ``tpu``). Every CPU is ``cpu``: the host is one device to the laws."""
     kind = {"gpu": "cuda", "rocm": "cuda"}.get(kind.lower(), kind.lower())
     return "cpu" if kind == "cpu" else f"{kind}:{int(number or 0)}"
-
-
-def matches(name: str, device_label: str) -> bool:
-    """Whether ``name`` (any accepted spelling) names the device labelled ``device_label``."""
-    return canonical(name) == device_label
 
 
 def found(devices: dict[str, list[str]]) -> str:

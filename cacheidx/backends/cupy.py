@@ -91,7 +91,9 @@ class CupyBackend(Backend):
         return [cupy.cuda.Device(i) for i in range(cupy.cuda.runtime.getDeviceCount())]
 
     def device_label(self, device: Any) -> str:
-        return f"cuda:{int(getattr(device, 'id', device))}"
+        from ..devices import label
+
+        return label("cuda", getattr(device, "id", device))
 
     def matmul_mantissa(self, device: Any) -> int:
         import os

@@ -15,9 +15,10 @@ policy says how the tiny model's products run and how close two of its outputs m
 
 Two outputs of products keeping ``p`` mantissa bits agree when ``|a - b| <= tol * (1 + |b|)``
 with ``tol = GROWTH * 2**-p``. ``GROWTH`` bounds how far one rounding of the inputs travels
-through the tiny model (two layers, a softmax, a 64-way head), found by running every model law
-with rounded inputs: it gives float32 ``1.9e-6 * 8 = 1.5e-5`` and TF32 ``0.0078 * 8 = 0.0625``.
-A wrong slot moves a logit by far more (``tests/test_precision.py`` plants one).
+through the tiny model (two layers, a softmax, a 64-way head): float32 ``128 * 2**-23 =
+1.5e-5``, TF32 ``128 * 2**-10 = 0.125``. Run with TF32-rounded inputs every model law stays
+within 0.0032 of its reference; a wrong slot moves a logit by 4 or more
+(``tests/test_precision.py`` plants one).
 """
 
 from __future__ import annotations

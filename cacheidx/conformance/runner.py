@@ -1,10 +1,9 @@
 """Run the law suite on every backend and device of this machine, in every mode.
 
-The work is cut into jobs, one per backend, device and group of modes: eager with the static
-compiler (a compiled run replays each step eagerly anyway, so the two share what the library
-caches per shape), and each other compiled mode alone. Jobs run in worker processes, as many
-at once as the machine has cores, so a backend's compiler caches and settings never leak into
-another's; ``jobs=1`` runs them here, one after another.
+The work is cut into jobs, one per backend, device and law family (:func:`jobs`), each running
+the backend's modes one after another in one process. Jobs run in worker processes, as many at
+once as the machine has cores, the longest first, so a backend's compiler caches and settings
+never leak into another's; ``workers=1`` runs them here, one after another.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from .precision import Precision
 from .suite import COMPILERS, LAWS, MODES, Case, Session
 
 __all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
+
 
 class DeviceMissing(ValueError):
     """``--device`` names a device no backend here has."""
@@ -68,10 +68,10 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
 def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], str | None]]:
     """The jobs of a target, one worker each: ``(modes, family)``, the modes run one after
     another in one process (so it imports its library once) over the laws of ``family`` (the
-    index's or the model's; ``None``: all). Without ``modes``: every mode the backend has but
-    ``automatic``, whose behaviour across shapes one law checks in the dynamic run (a whole run
-    in it is ``--mode automatic``). A backend that compiles gets a job per family, so that the
-    cores share the work evenly."""
+    index's, the model's or the one across shapes; ``None``: all). Without ``modes``: every
+    mode the backend has but ``automatic``, whose behaviour across shapes one law checks in the
+    dynamic run (a whole run in it is ``--mode automatic``). A backend that compiles gets a job
+    per family, so that the cores share the work evenly."""
     cls = backends._class(target["backend"])
     have = [m for m in MODES if m == "eager" or m in cls.modes]
     have = [m for m in have if m in modes] if modes else [m for m in have if m != "automatic"]
@@ -92,8 +92,7 @@ def run_one(law: Any, case: Case) -> str | None:
 
 
 def run_job(name: str, device: str, modes: list[str], *, family: str | None = None,
-            precision: str = "highest", torch_compiler: str | None = None,
-            progress: Any = None) -> dict:
+            precision: str = "highest", torch_compiler: str | None = None) -> dict:
     """Every law (of ``family``, or all) on one backend and device in each of ``modes``:
     outcomes, facts and times."""
     backend = backends.get(name)
@@ -118,8 +117,6 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
                 took[law.name] = round(time.process_time() - began, 3)
                 laws[law.name] = "pass" if failure is None else failure
                 facts.update(case.facts)
-                if progress:
-                    print("." if failure is None else "F", end="", file=progress, flush=True)
         out["modes"][mode] = {
             "laws": laws, "facts": facts, "law_cpu_seconds": took,
             "compiler": (getattr(backend, "compiler", "jit") if mode != "eager" else "none"),
@@ -260,13 +257,13 @@ def table(report: list[dict]) -> str:
              "| eager = compiled | donated in place | programs for 4 allocations | time (s) "
              "| status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report:
-        modes = ", ".join(f"{m}" + (f" ({v['compiler']})" if v["compiler"] != "none" else "")
-                          for m, v in e.get("modes", {}).items()) or "-"
-        modes_ = e.get("modes", {})
-        donation = modes_.get("eager", {}).get("facts", {}).get("donation in place", "-")
-        programs = [f"{v['facts']['programs for 4 allocations']}" for m, v in modes_.items()
+        modes = e.get("modes", {})
+        named = ", ".join(m + (f" ({v['compiler']})" if v["compiler"] != "none" else "")
+                          for m, v in modes.items()) or "-"
+        donation = modes.get("eager", {}).get("facts", {}).get("donation in place", "-")
+        programs = [str(v["facts"]["programs for 4 allocations"]) for v in modes.values()
                     if "programs for 4 allocations" in v["facts"]]
-        cells = [e["backend"], e["device"], e.get("version") or "-", modes,
+        cells = [e["backend"], e["device"], e.get("version") or "-", named,
                  e.get("passed", "-"), e.get("failed", "-"), e.get("eager_equals_compiled", "-"),
                  donation, ", ".join(programs) or "-", e.get("seconds", "-"), e["status"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
