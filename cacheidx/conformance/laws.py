@@ -502,13 +502,14 @@ def across(index, values, pool):
 
 
 def feed(case: Case, step, kinds: list[str], shapes: list[tuple[int, int]]) -> dict:
-    """Feed ``step`` every kind of index at each shape (``case.call`` demands the eager
-    results); the programs it built for each kind."""
+    """Feed ``step`` the given kinds of index at each shape (compiled, each result must equal
+    the eager one); the programs it built for each kind."""
+    built = {shape: variants(case, *shape) for shape in shapes}
     programs = {}
     for kind in kinds:
         before = case.backend.programs(step) if case.compiled else 0
         for batch, width in shapes:
-            ix = variants(case, batch, width)[kind]
+            ix = built[batch, width][kind]
             slots = batch * width
             v = case.array(ramp(batch, ix.seq, width=5))
             pool = case.array(stored(slots, {s: float(s) for s in range(slots)}, width=5))
@@ -533,6 +534,8 @@ def law_one_step_serves_two_batch_sizes_and_two_context_widths(case: Case) -> No
         step = case.jit(through) if case.compiled else through
         got = feed(case, step, ["rows", "window"], four[::2])
         want = {"rows": 2, "window": 2}
+        if case.compiled:
+            case.facts["programs per kind of index (static)"] = got
         assert not case.compiled or got == want, (
             f"programs per kind of index with static shapes: {got}, want {want}")
         return
