@@ -9,6 +9,7 @@ tensors are whatever integer dtype they come in: int32 under JAX's default, int6
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any
@@ -69,8 +70,6 @@ class JaxBackend(Backend):
         # XLA's CPU compiler spends most of that time optimising code that runs once
         fast = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_use_fusion_emitters=false")
-        import os
-
         return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {fast}".strip()}
 
     def device_label(self, device: Any) -> str:

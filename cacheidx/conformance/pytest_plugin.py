@@ -21,10 +21,7 @@ import pytest
 
 from .. import backends
 from .precision import Precision
-from .suite import COMPILERS, MODES, Case, Session
-
-#: modes the plugin runs unless told: every mode but automatic (see the runner)
-DEFAULT_MODES = ("eager", "compiled", "dynamic")
+from .suite import COMPILERS, DEFAULT_MODES, MODES, Case, Session
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

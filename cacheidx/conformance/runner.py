@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import backends, devices
 from .precision import Precision
-from .suite import COMPILERS, LAWS, MODES, Case, Session
+from .suite import COMPILERS, DEFAULT_MODES, LAWS, MODES, Case, Session
 
 __all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
 
@@ -74,7 +74,7 @@ def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], 
     per family, so that the cores share the work evenly."""
     cls = backends._class(target["backend"])
     have = [m for m in MODES if m == "eager" or m in cls.modes]
-    have = [m for m in have if m in modes] if modes else [m for m in have if m != "automatic"]
+    have = [m for m in have if m in (modes or DEFAULT_MODES)]
     families = ["index", "model", "shapes"] if cls.modes else [None]
     return [(have, family) for family in families] if have else []
 

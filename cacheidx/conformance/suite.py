@@ -23,10 +23,14 @@ import numpy as np
 from .. import backends
 from .precision import Precision
 
-__all__ = ["COMPILERS", "Case", "Law", "LAWS", "MODES", "Session", "law", "agree"]
+__all__ = ["COMPILERS", "Case", "DEFAULT_MODES", "Law", "LAWS", "MODES", "Session", "law",
+           "agree"]
 
 #: every mode a law can run in, in the order a run takes them
 MODES = ("eager", "compiled", "dynamic", "automatic")
+#: the modes a run takes unless told: all but automatic, whose behaviour across shapes the
+#: one-step law checks in the dynamic run
+DEFAULT_MODES = ("eager", "compiled", "dynamic")
 
 #: the torch.compile backend of each mode unless the caller names one: aot_eager traces through
 #: AOTAutograd's functionalisation; the symbolic-shape modes check what dynamo captures and how
