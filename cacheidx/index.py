@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from . import _check as check
-from . import backends
+from . import attention, backends
 from .laws import block_of, closes, inside, sees, stands
 
 __all__ = ["CacheIndex", "Structure"]
@@ -285,8 +285,8 @@ class CacheIndex:
         ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
         its position, under a window only the last ``w`` of them; a padded token sees none."""
         if self.draft_slots is not None:
-            table_part, tail = self._draft_masks()
-            return self.xp.concat([table_part, tail], axis=2)
+            j = self._arange(int(self.table.shape[1]))[None, None, :]
+            return self.xp.concat([self._draft_sees_table(j), self._draft_tail()], axis=2)
         if self.columns is not None:
             return self._sees_columns(self.columns)
         cols = self._arange(self.context)[None, None, :]
@@ -315,14 +315,12 @@ class CacheIndex:
         same = (cols - p) == (i - t)
         return ok & (p >= 0) & same & sees(p, t, self._window)
 
-    def _draft_masks(self) -> tuple[Any, Any]:
-        """Under a draft: the table's columns before the lane's least position, then the
-        call's tokens as ``sees`` says; of both only those at or before the token's position
-        and within the window."""
+    def _draft_sees_table(self, j: Any) -> Any:
+        """[batch, seq, k]: under a draft, whether a token sees the table's column ``j``
+        (broadcasting against ``[batch, seq, k]``): one before its lane's least position, at or
+        before its own and within the window."""
         valid, t, w = self._valid, self.pos, self._window
-        j = self._arange(int(self.table.shape[1]))[None, None, :]
-        table_part = valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
-        return table_part, self._draft_tail()
+        return valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
 
     def _draft_tail(self) -> Any:
         """[batch, seq, seq]: token ``i`` sees the call's token ``j`` where the draft says so,
@@ -344,27 +342,45 @@ class CacheIndex:
         self._check_extend(values, pool)
         if self.kind != "tabled":
             return self._seen_whole(values), pool
+        pool = self._store(values, pool, donate)
+        return self._read(pool, values), pool
+
+    def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
+               scale: float | None = None, softcap: float | None = None, sinks: Any = None,
+               donate: bool = False, tile: int | None = None) -> tuple[Any, Any, Any]:
+        """``(out, kpool', vpool')``: ``k`` and ``v`` ``[batch, seq, kv_heads, d]`` stored as
+        ``extend`` stores them, and ``out`` ``[batch, seq, heads, dv]``, softmax attention of
+        ``q`` ``[batch, seq, heads, d]`` over ``extend``'s seen under ``visible``, read from
+        the pools where they are, ``tile`` columns at a time (``None``: chosen from the
+        call's shape), never a lane's whole context at once. See :mod:`cacheidx.attention`
+        for the law, ``scale``, ``softcap`` and ``sinks``, and what it raises."""
+        return attention.attend(self, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
+                                sinks=sinks, donate=donate, tile=tile)
+
+    def _check_extend(self, values: Any, pool: Any, fn: str = "extend",
+                      name: str = "values") -> None:
+        for what, x in ((name, values), ("pool", pool)):
+            if not self.backend.same_library(x):
+                raise TypeError(f"cacheidx.{fn}: {what} must be an array of the index's "
+                                f"library ({self.backend.name}), got {type(x).__name__}")
+        if pool.ndim < 1:
+            raise check.fail(fn, "pool must have a slot axis, got a 0-d array")
+        want = (self.batch, self.seq, *pool.shape[1:])
+        if tuple(values.shape) != want:
+            raise check.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
+                             f"pool's row), got {list(values.shape)}")
+        if values.dtype != pool.dtype:
+            raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "
+                            f"{pool.dtype}")
+
+    def _store(self, values: Any, pool: Any, donate: bool) -> Any:
+        """``pool`` with ``values`` stored where the call's tokens sit (one scatter with drop,
+        through the plan the index keeps for every layer's pool of this size)."""
         backend, xp, n = self.backend, self.xp, int(pool.shape[0])
         plan = self._memo(("store", n), lambda: backend.store_plan(
             xp.reshape(self._store_slots(), (-1,)), n))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
-        pool = backend.store(pool, plan, rows, donate=donate)
-        return self._read(pool, values), pool
-
-    def _check_extend(self, values: Any, pool: Any) -> None:
-        for name, x in (("values", values), ("pool", pool)):
-            if not self.backend.same_library(x):
-                raise TypeError(f"cacheidx.extend: {name} must be an array of the index's "
-                                f"library ({self.backend.name}), got {type(x).__name__}")
-        if pool.ndim < 1:
-            raise check.fail("extend", "pool must have a slot axis, got a 0-d array")
-        want = (self.batch, self.seq, *pool.shape[1:])
-        if tuple(values.shape) != want:
-            raise check.fail("extend", f"values must have shape {list(want)} (batch, seq, then "
-                             f"the pool's row), got {list(values.shape)}")
-        if values.dtype != pool.dtype:
-            raise TypeError(f"cacheidx.extend: values are {values.dtype} but the pool holds "
-                            f"{pool.dtype}")
+        return backend.store(pool, plan, rows, donate=donate)
 
     def _store_slots(self) -> Any:
         """Law: a token stores at its own column, the slot its table names at the column

@@ -16,6 +16,8 @@ layer's seen columns below the window are zero.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from _common import Checks, Env, parser
 from array_api_compat import array_namespace
@@ -65,7 +67,9 @@ class Band:
 
 
 def reference(env, tokens, sliding=frozenset(SLIDING)):
-    logits, _ = forward(env.reference, env.cfg, np.asarray([tokens]), Band(len(tokens)),
+    # Band is no CacheIndex: the reference takes the spec's path, extend then attend
+    cfg = dataclasses.replace(env.cfg, attention="extend")
+    logits, _ = forward(env.reference, cfg, np.asarray([tokens]), Band(len(tokens)),
                         [(None, None)] * env.cfg.layers, sliding=sliding)
     return logits[0]
 

@@ -5,6 +5,8 @@ positions 0 to seq - 1), so the model is checked before, and independently of, t
 any difference in tests/test_smollm2.py is then the cache's.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from smollm2_support import smollm2_or_skip
@@ -81,7 +83,8 @@ def test_a_selection_reads_the_chosen_columns():
 
 
 def test_random_tiny_decoder_is_causal():
-    config = llama.Config.tiny()
+    # Causal is no CacheIndex: the layers take the spec's path, extend then attend
+    config = llama.Config.tiny(attention="extend")
     params = llama.random_params(config, seed=0)
     tokens = np.array([[3, 1, 4, 1, 5, 9]])
     pools = llama.empty_pools(config, 1)
@@ -98,6 +101,7 @@ def test_greedy_tokens_equal_transformers():
     call over the prompt and the answer, so greedy decoding would choose the same answer), and
     the logits of the last step agree within 1e-3 relative."""
     config, params, gguf = smollm2_or_skip()
+    config = dataclasses.replace(config, attention="extend")  # Causal is no CacheIndex
     prompts = [gguf.chat_ids(p) for p in PROMPTS]
     reference = gguf.transformers_greedy(prompts, NEW_TOKENS)
     pools = llama.empty_pools(config, 1)

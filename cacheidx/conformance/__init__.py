@@ -4,6 +4,7 @@
 suite (or a third-party adapter's) run the same laws under its own test runner.
 """
 
+from . import attention as _attention  # noqa: F401  (registers attend's laws)
 from . import laws as _laws  # noqa: F401  (registers the laws)
 from . import model as _model  # noqa: F401  (registers the model-level laws)
 from .suite import LAWS, Case, Law, agree, law

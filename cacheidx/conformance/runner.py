@@ -75,7 +75,7 @@ def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], 
     cls = backends._class(target["backend"])
     have = [m for m in MODES if m == "eager" or m in cls.modes]
     have = [m for m in have if m in (modes or DEFAULT_MODES)]
-    families = ["index", "model", "shapes"] if cls.modes else [None]
+    families = ["index", "attention", "model", "shapes"] if cls.modes else [None]
     return [(have, family) for family in families] if have else []
 
 

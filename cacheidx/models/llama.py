@@ -1,10 +1,12 @@
 """A Llama decoder on the array API standard, threading its pools through a cache index.
 
-The model never looks inside the index it is given: every layer stores its keys and values with
-``index.extend`` and attends over what comes back under ``index.mask()``, and the rotary angles
-come from ``index.positions()``. The same function therefore serves a whole prompt, a chunk of a
-prompt over contiguous or paged pools, a prefix shared by several sequences, one-token decoding
-after ``index.advance()``, and (when the index selects columns) a read of a few columns per token.
+The model never looks inside the index it is given: every layer stores its keys and values and
+attends over the pools in place with ``index.attend`` (or, with ``Config(attention="extend")``,
+the spec's path: ``index.extend`` then :func:`attend` under ``index.mask()``), and the rotary
+angles come from ``index.positions()``. The same function therefore serves a whole prompt, a
+chunk of a prompt over contiguous or paged pools, a prefix shared by several sequences, one-token
+decoding after ``index.advance()``, and (when the index selects columns) a read of a few columns
+per token.
 
 Parameters are a plain pytree (dicts and lists of arrays of one namespace), so the forward runs
 eagerly on NumPy, PyTorch or CuPy and compiles under ``jax.jit`` or ``torch.compile``. Linear
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from array_api_compat import array_namespace
+
+from ..attention.softmax import reference
 
 __all__ = [
     "Config",
@@ -50,7 +54,11 @@ class Config:
     tied: bool = True
     #: mantissa bits every matrix product keeps of its inputs; ``None`` keeps what the
     #: library keeps. 10 makes a CPU multiply as a GPU does under TF32 (a numerical check).
+    #: The products inside ``index.attend`` keep what the library keeps.
     matmul_mantissa: int | None = None
+    #: how a layer attends: ``"attend"``, ``index.attend`` over the pools in place; or
+    #: ``"extend"``, the spec's path: ``extend``'s seen, then :func:`attend` under ``mask``
+    attention: str = "attend"
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -62,6 +70,9 @@ class Config:
             )
         if self.head_dim % 2:
             raise ValueError(f"cacheidx.models.llama.Config: head_dim {self.head_dim} is odd")
+        if self.attention not in ("attend", "extend"):
+            raise ValueError("cacheidx.models.llama.Config: attention must be 'attend' or "
+                             f"'extend', got {self.attention!r}")
         if self.matmul_mantissa is not None and not 0 < self.matmul_mantissa <= 23:
             raise ValueError("cacheidx.models.llama.Config: matmul_mantissa must be 1 to 23, "
                              f"got {self.matmul_mantissa}")
@@ -234,52 +245,20 @@ def rotate(x, cos, sin, *, xp=None):
 
 
 def attend(q, seen_k, seen_v, mask, *, xp=None, mantissa=None):
-    """Grouped-query attention of ``q`` over ``seen`` keys and values under ``mask``.
+    """Grouped-query attention of ``q`` over ``seen`` keys and values under ``mask``, as
+    ``[batch, seq, heads * head_dim]``: :func:`cacheidx.attention.reference`, the spec's path.
 
     ``q`` is ``[batch, seq, heads, head_dim]``. Without a selection ``seen_*`` are
     ``[batch, context, kv_heads, head_dim]`` and ``mask`` is ``[batch, seq, context]``; under a
     selection they are ``[batch, seq, k, kv_heads, head_dim]`` and ``[batch, seq, k]``. The mask is
-    the same for every head. A query that sees no column gets an output of exactly zero: the
-    softmax is taken over the seen columns only, with its maximum and its sum guarded.
+    the same for every head. A query that sees no column gets an output of exactly zero.
     ``mantissa`` is :func:`matmul`'s.
     """
     xp = xp or array_namespace(q, seen_k, seen_v, mask)
-    b, s, heads, d = q.shape
-    kv = seen_k.shape[-2]
-    g = heads // kv
-    scale = 1.0 / math.sqrt(d)
-    if seen_k.ndim == 4:
-        # [b, kv, g * s, d] @ [b, kv, d, c] -> [b, kv, g, s, c]
-        qh = xp.reshape(xp.permute_dims(xp.reshape(q, (b, s, kv, g, d)), (0, 2, 3, 1, 4)),
-                        (b, kv, g * s, d))
-        kt = xp.permute_dims(seen_k, (0, 2, 3, 1))
-        vh = xp.permute_dims(seen_v, (0, 2, 1, 3))
-        c = kt.shape[-1]
-        scores = xp.reshape(matmul(qh, kt, mantissa), (b, kv, g, s, c)) * scale
-        m = mask[:, None, None, :, :]
-        weights = _masked_softmax(xp, scores, m)
-        out = xp.reshape(matmul(xp.reshape(weights, (b, kv, g * s, c)), vh, mantissa),
-                         (b, kv, g, s, d))
-        out = xp.permute_dims(out, (0, 3, 1, 2, 4))  # [b, s, kv, g, d]
-    else:
-        # per token: [b, s, kv, g, d] @ [b, s, kv, d, k] -> [b, s, kv, g, k]
-        qh = xp.reshape(q, (b, s, kv, g, d))
-        kt = xp.permute_dims(seen_k, (0, 1, 3, 4, 2))
-        vh = xp.permute_dims(seen_v, (0, 1, 3, 2, 4))
-        scores = matmul(qh, kt, mantissa) * scale
-        m = mask[:, :, None, None, :]
-        weights = _masked_softmax(xp, scores, m)
-        out = matmul(weights, vh, mantissa)  # [b, s, kv, g, d]
-    return xp.reshape(out, (b, s, heads * d))
-
-
-def _masked_softmax(xp, scores, mask):
-    any_seen = xp.any(mask, axis=-1, keepdims=True)
-    top = xp.max(xp.where(mask, scores, -xp.inf), axis=-1, keepdims=True)
-    top = xp.where(any_seen, top, 0.0)
-    e = xp.where(mask, xp.exp(scores - top), 0.0)
-    total = xp.sum(e, axis=-1, keepdims=True)
-    return e / xp.where(total > 0, total, 1.0)
+    out = reference(q, seen_k, seen_v, mask, xp=xp,
+                    product=lambda a, b: matmul(a, b, mantissa))
+    b, s = q.shape[:2]
+    return xp.reshape(out, (b, s, -1))
 
 
 def _at(a, b):
@@ -313,9 +292,12 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     q = rotate(q, cos, sin, xp=xp)
     k = rotate(k, cos, sin, xp=xp)
     kpool, vpool = pools
-    seen_k, kpool = index.extend(k, kpool, donate=donate)
-    seen_v, vpool = index.extend(v, vpool, donate=donate)
-    o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
+    if c.attention == "attend":
+        o, kpool, vpool = index.attend(q, k, v, kpool, vpool, donate=donate)
+    else:
+        seen_k, kpool = index.extend(k, kpool, donate=donate)
+        seen_v, vpool = index.extend(v, vpool, donate=donate)
+        o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
     reduce = reduce or _same
     x = x + reduce(mm(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"]))
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)

@@ -1,0 +1,58 @@
+"""Fast paths of ``attend``: one small object per array library, found by backend name.
+
+A path computes a call faster than the standard's tiles where its library can (one compiled
+program, a compiler's rolled loop) and keeps the same law: ``attend(call)`` returns
+``(out, kpool', vpool')`` of a :class:`~cacheidx.attention.Call`, or ``None`` where it does not
+apply, which leaves the call to the core. :func:`~cacheidx.attention.stored` and
+:func:`~cacheidx.attention.standard` are the core's two halves, for a path to reuse.
+
+Paths live beside the core rather than on :class:`~cacheidx.backends.Backend`, which says how
+to store, read and compile, not how to attend. A third party registers one under the entry-point
+group ``cacheidx.attention``, keyed by its backend's name; like a backend, a path's module is
+imported only when an index of its library first attends.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+__all__ = ["Path", "fast"]
+
+GROUP = "cacheidx.attention"
+
+_BUILTIN = {
+    "jax": "cacheidx.attention.jax:JaxPath",
+}
+
+
+class Path(Protocol):
+    def attend(self, call: Any) -> tuple[Any, Any, Any] | None:
+        """``(out, kpool', vpool')`` of ``call``, or ``None`` where this path does not apply."""
+
+
+def _targets() -> dict[str, str]:
+    found = dict(_BUILTIN)
+    for ep in entry_points(group=GROUP):
+        found[ep.name] = ep.value
+    return found
+
+
+#: backend name -> its path's "module:attribute", read once at import (never under a tracer)
+_TARGETS = _targets()
+#: backend name -> its path, made when an index of its library first attends
+_MADE: dict[str, Any] = {}
+
+
+def fast(backend: Any) -> Path | None:
+    """The fast path of ``backend``'s library, or ``None`` where it has none."""
+    name = backend.name
+    if name not in _TARGETS:
+        return None
+    path = _MADE.get(name)
+    if path is None:
+        import importlib
+
+        module, _, attr = _TARGETS[name].partition(":")
+        path = _MADE[name] = getattr(importlib.import_module(module), attr)()
+    return path

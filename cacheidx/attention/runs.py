@@ -1,0 +1,142 @@
+"""Eagerly, where each lane's slots form runs: the pools read as views, never copied.
+
+``rows`` gives a lane one run of slots and a paged table one run per page, often longer when
+pages were taken in order. Where every column some token of a lane sees names a slot inside
+the pool, and those slots fall into few runs of consecutive slots (no hole, nothing dropped),
+a lane's keys are ``kpool[s0:s0 + n]`` for each run: a view, read by the products in place.
+The host finds the runs once per index (it keeps them for every layer, as it keeps its read
+plans) from the index's tensors; a traced call has no values to look at and never comes here.
+
+Each lane then attends on its own, its queries in blocks of :data:`ROWS` and each run in tiles
+whose scores stay within :data:`~cacheidx.attention.SCORES`; a tile no query of the block sees
+is skipped (the causal half of a prefill, the columns below a window) and one every query sees
+in full is weighed without a mask. The law is the same as the tiles': the mask of a block is
+the lane's own index's ``mask`` (a one-lane index cut from the call's), so a tile holds what
+``extend``'s seen and ``mask`` hold there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..backends.base import inside
+from .softmax import Online
+
+__all__ = ["runs"]
+
+#: queries a block holds: a long prefill's scores stay within bounds with wide column tiles
+ROWS = 256
+#: the most runs a lane may hold for views to pay: past it, the tiles' batched reads win
+MOST_RUNS = 16
+
+
+class _Piece(NamedTuple):
+    """A tile of one lane's block of queries: columns ``c0:c1`` at slots ``s0:s0 + c1 - c0``,
+    and whether every query of the block sees every column (no mask)."""
+
+    c0: int
+    c1: int
+    s0: int
+    full: bool
+
+
+class _Lane(NamedTuple):
+    """One lane's blocks of queries, ``(i0, i1, pieces)``, and its one-lane index."""
+
+    index: Any
+    blocks: list[tuple[int, int, list[_Piece]]]
+
+
+def host(x: Any) -> np.ndarray:
+    """A small array of any library as NumPy."""
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError, ValueError):
+        from array_api_compat import to_device
+
+        return np.asarray(to_device(x, "cpu"))
+
+
+def _spans(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _plan(index: Any, n: int, scores: int, heads: int) -> list[_Lane] | None:
+    """Each lane's blocks and pieces over pools of ``n`` slots, or ``None`` where some lane's
+    seen columns are not a few runs of slots inside the pool."""
+    table = host(index._lane_table)
+    some = host(index._some_token_sees())
+    lanes = []
+    for b in range(index.batch):
+        cols = np.flatnonzero(some[b])
+        slots = table[b, cols]
+        if not np.all(inside(slots, n)):
+            return None  # a hole or a dropped slot: the tiles read it as zero
+        breaks = np.flatnonzero((np.diff(cols) != 1) | (np.diff(slots) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(int) if cols.size else np.zeros(0, int)
+        if starts.size > MOST_RUNS:
+            return None
+        ends = np.concatenate([breaks, [cols.size]]).astype(int)
+        one = _one_lane(index, b)
+        blocks = []
+        for i0, i1 in _spans(index.seq, ROWS):
+            part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
+            width = max(16, scores // ((i1 - i0) * heads))
+            pieces = []
+            for a, e in zip(starts, ends):
+                c_first = int(cols[a])
+                for p0, p1 in _spans(int(e - a), width):
+                    c0, c1 = c_first + p0, c_first + p1
+                    seen = host(part._sees_columns(part._arange(c1 - c0)[None, None, :] + c0))
+                    if seen.any():
+                        pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
+            blocks.append((i0, i1, pieces))
+        lanes.append(_Lane(one, blocks))
+    return lanes
+
+
+def _one_lane(index: Any, b: int) -> Any:
+    """Lane ``b`` of ``index`` as an index of its own (its row of the table, or its row map's
+    entry), for the masks of its blocks."""
+    if index.row is not None:
+        return dataclasses.replace(index, pos=index.pos[b:b + 1, :], row=index.row[b:b + 1])
+    table = index.table[b:b + 1, :]
+    blocks = tuple((m, t[b:b + 1, :]) for m, t in index.blocks)
+    return dataclasses.replace(index, pos=index.pos[b:b + 1, :], table=table, blocks=blocks)
+
+
+def runs(call: Any, scores: int) -> Any | None:
+    """``call``'s output read through views of runs of slots, or ``None`` where the call is
+    traced, selects columns, is a draft or whole, or some lane's slots are not a few runs."""
+    index = call.index
+    if (index.kind != "tabled" or index.columns is not None or index.draft_slots is not None
+            or index.backend.tracing(index.pos)):
+        return None
+    xp, q, kpool, vpool = index.xp, call.q, call.kpool, call.vpool
+    n = int(kpool.shape[0])
+    if int(vpool.shape[0]) != n:
+        return None
+    heads = int(q.shape[2])
+    lanes = index._memo(("attend runs", n, scores, heads),
+                        lambda: _plan(index, n, scores, heads) or ())
+    if not lanes:
+        return None
+    kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
+    out = []
+    for b, lane in enumerate(lanes):
+        parts = []
+        for i0, i1, pieces in lane.blocks:
+            qb = q[b:b + 1, i0:i1, ...]
+            state = Online.start(xp, qb, "lane", dv, kv, scale=call.scale, softcap=call.softcap)
+            part = dataclasses.replace(lane.index, pos=lane.index.pos[:, i0:i1])
+            for c0, c1, s0, full in pieces:
+                mask = None if full else part._sees_columns(part._arange(c1 - c0)[None, None, :]
+                                                            + c0)
+                state.add(kpool[s0:s0 + c1 - c0, ...][None, ...],
+                          vpool[s0:s0 + c1 - c0, ...][None, ...], mask)
+            parts.append(state.result(call.sinks))
+        out.append(xp.concat(parts, axis=1))
+    return xp.concat(out, axis=0)

@@ -1,0 +1,190 @@
+"""Softmax attention, materialised (the spec's path) and online over tiles of columns.
+
+The law both keep: the output of query ``i`` of lane ``b`` at head ``h`` is
+
+    sum_j p_j v_j,   p_j = exp(z_j) / (sum_{j seen} exp(z_j) + exp(sink_h)),
+
+over the columns ``j`` that ``i`` sees, with ``z_j = cap(scale * q . k_j)`` and
+``cap(x) = softcap * tanh(x / softcap)`` (the identity without a softcap); without sinks the
+sink's term is absent. A query that sees no column has an output of exactly zero.
+
+:func:`reference` computes it over extend's whole ``seen``. :class:`Online` computes it a tile
+of columns at a time, keeping per query a running maximum ``m``, a sum ``l`` of
+``exp(z - m)`` and an output ``acc`` scaled alike (FlashAttention's online softmax): each tile
+rescales what came before by ``exp(m_old - m_new)``, so no more than one tile's scores exist
+at once. The sink is one more column, folded in last.
+
+Keys come in one of two layouts. ``"lane"``: a tile's keys are shared by the lane's tokens,
+``[batch, T, kv, d]``, and scores are ``[batch, kv, g, seq, T]``. ``"token"`` (a selection):
+each token has keys of its own, ``[batch, seq, T, kv, d]``, scores ``[batch, seq, kv, g, T]``.
+``g = heads // kv`` query heads share each key-value head (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["Online", "reference", "work_dtype"]
+
+
+def work_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype scores and sums are kept in: float32 for narrower floats (as FlashAttention
+    accumulates half precision), the inputs' own otherwise."""
+    if dtype in (xp.float32, xp.float64):
+        return dtype
+    return xp.float32
+
+
+def _cap(xp: Any, z: Any, softcap: float | None) -> Any:
+    """Gemma 2's soft-capping, ``softcap * tanh(z / softcap)``, after the scale."""
+    return z if softcap is None else softcap * xp.tanh(z / softcap)
+
+
+def reference(q: Any, seen_k: Any, seen_v: Any, mask: Any, *, scale: float | None = None,
+              softcap: float | None = None, sinks: Any = None, product: Any = None,
+              xp: Any = None) -> Any:
+    """Softmax attention of ``q`` ``[batch, seq, heads, d]`` over ``extend``'s ``seen`` keys and
+    values under ``mask`` (``index.mask()``), every score materialised: the law's right-hand
+    side, and the spec's path. ``seen_*`` are ``[batch, context, kv, d]``, or
+    ``[batch, seq, k, kv, d]`` under a selection. Returns ``[batch, seq, heads, dv]``.
+    ``product(a, b)`` is the matrix product (``@`` by default)."""
+    from array_api_compat import array_namespace
+
+    xp = xp or array_namespace(q, seen_k, seen_v, mask)
+    mm = product or (lambda a, b: a @ b)
+    b, s, heads, d = q.shape
+    kv = seen_k.shape[-2]
+    g = heads // kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if seen_k.ndim == 4:
+        # [b, kv, g * s, d] @ [b, kv, d, c] -> [b, kv, g, s, c]
+        qh = xp.reshape(xp.permute_dims(xp.reshape(q, (b, s, kv, g, d)), (0, 2, 3, 1, 4)),
+                        (b, kv, g * s, d))
+        c = seen_k.shape[1]
+        z = xp.reshape(mm(qh, xp.permute_dims(seen_k, (0, 2, 3, 1))), (b, kv, g, s, c))
+        m = mask[:, None, None, :, :]
+        sink_shape = (1, kv, g, 1, 1)
+    else:
+        # per token: [b, s, kv, g, d] @ [b, s, kv, d, k] -> [b, s, kv, g, k]
+        z = mm(xp.reshape(q, (b, s, kv, g, d)), xp.permute_dims(seen_k, (0, 1, 3, 4, 2)))
+        m = mask[:, :, None, None, :]
+        sink_shape = (1, 1, kv, g, 1)
+    z = _cap(xp, z * scale, softcap)
+    any_seen = xp.any(m, axis=-1, keepdims=True)
+    top = xp.max(xp.where(m, z, -xp.inf), axis=-1, keepdims=True)
+    sink = None if sinks is None else xp.reshape(xp.astype(sinks, z.dtype), sink_shape)
+    if sink is not None:
+        top = xp.maximum(top, sink)
+    top = xp.where(xp.isfinite(top), top, 0.0)
+    e = xp.where(m, xp.exp(z - top), 0.0)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + xp.exp(sink - top)
+    w = xp.where(any_seen, e / xp.where(total > 0, total, 1.0), 0.0)
+    if seen_k.ndim == 4:
+        vh = xp.permute_dims(seen_v, (0, 2, 1, 3))
+        out = xp.reshape(mm(xp.reshape(w, (b, kv, g * s, c)), vh), (b, kv, g, s, -1))
+        out = xp.permute_dims(out, (0, 3, 1, 2, 4))  # [b, s, kv, g, dv]
+    else:
+        out = mm(w, xp.permute_dims(seen_v, (0, 1, 3, 2, 4)))  # [b, s, kv, g, dv]
+    return xp.reshape(out, (b, s, heads, out.shape[-1]))
+
+
+@dataclasses.dataclass
+class Online:
+    """The running state of one call's online softmax: queries prepared for ``layout``, and
+    per query ``m`` (the largest score so far, ``-inf`` before any), ``l`` and ``acc``.
+
+    ``Online.start(xp, q, layout, dv)`` begins; ``add(keys, values, mask)`` folds in one tile;
+    ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype."""
+
+    xp: Any
+    layout: str
+    shape: tuple[int, int, int, int]  #: (batch, seq, heads, d) of the queries
+    q: Any  #: the queries, grouped for the layout, in the work dtype, scale applied
+    softcap: float | None
+    m: Any
+    l: Any
+    acc: Any
+    out_dtype: Any
+
+    @classmethod
+    def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
+              softcap: float | None) -> Online:
+        b, s, heads, d = q.shape
+        g = heads // kv
+        dt = work_dtype(xp, q.dtype)
+        qg = xp.reshape(xp.astype(q, dt), (b, s, kv, g, d)) * scale
+        if layout == "lane":  # [b, kv, g * s, d]
+            qg = xp.reshape(xp.permute_dims(qg, (0, 2, 3, 1, 4)), (b, kv, g * s, d))
+            rows = (b, kv, g, s)
+        else:
+            rows = (b, s, kv, g)
+        m = xp.full((*rows, 1), -xp.inf, dtype=dt, device=_device(q))
+        zero = xp.zeros((*rows, 1), dtype=dt, device=_device(q))
+        acc = xp.zeros((*rows, dv), dtype=dt, device=_device(q))
+        return cls(xp, layout, (b, s, heads, d), qg, softcap, m, zero, acc, q.dtype)
+
+    def scores(self, keys: Any) -> Any:
+        """``cap(scale * q . k)`` of every query against one tile's keys, in the layout."""
+        xp, (b, s, heads, _) = self.xp, self.shape
+        keys = xp.astype(keys, self.q.dtype)
+        if self.layout == "lane":
+            kv, t = keys.shape[2], keys.shape[1]
+            z = xp.reshape(self.q @ xp.permute_dims(keys, (0, 2, 3, 1)),
+                           (b, kv, heads // kv, s, t))
+        else:
+            z = self.q @ xp.permute_dims(keys, (0, 1, 3, 4, 2))
+        return _cap(xp, z, self.softcap)
+
+    def add(self, keys: Any, values: Any, mask: Any) -> None:
+        """Fold in one tile: ``keys`` and ``values`` in the layout, ``mask`` ``[batch, seq,
+        T]`` (``None``: every query sees every column of the tile)."""
+        xp = self.xp
+        z = self.scores(keys)
+        if mask is not None:
+            gate = mask[:, None, None, :, :] if self.layout == "lane" else mask[:, :, None, None, :]
+            z = xp.where(gate, z, -xp.inf)
+        top = xp.maximum(self.m, xp.max(z, axis=-1, keepdims=True))
+        # a query that has seen nothing yet keeps -inf; exp(-inf - 0) is exactly 0
+        base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
+        p = xp.exp(z - base)
+        fade = xp.exp(self.m - base)
+        self.l = self.l * fade + xp.sum(p, axis=-1, keepdims=True)
+        self.acc = self.acc * fade + self._weigh(p, xp.astype(values, p.dtype))
+        self.m = top
+
+    def _weigh(self, p: Any, values: Any) -> Any:
+        xp = self.xp
+        if self.layout == "lane":
+            b, kv, g, s, t = p.shape
+            out = xp.reshape(p, (b, kv, g * s, t)) @ xp.permute_dims(values, (0, 2, 1, 3))
+            return xp.reshape(out, (b, kv, g, s, values.shape[-1]))
+        return p @ xp.permute_dims(values, (0, 1, 3, 2, 4))
+
+    def result(self, sinks: Any = None) -> Any:
+        """``acc / l`` as ``[batch, seq, heads, dv]``, with the sinks' column folded in; zero
+        for a query that saw nothing."""
+        xp, (b, s, heads, _) = self.xp, self.shape
+        m, l, acc = self.m, self.l, self.acc
+        if sinks is not None:
+            kv = acc.shape[1] if self.layout == "lane" else acc.shape[2]
+            g = heads // kv
+            shape = (1, kv, g, 1, 1) if self.layout == "lane" else (1, 1, kv, g, 1)
+            sink = xp.reshape(xp.astype(sinks, m.dtype), shape)
+            top = xp.maximum(m, sink)
+            base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
+            fade = xp.exp(m - base)
+            l, acc = l * fade + xp.exp(sink - base), acc * fade
+        out = acc / xp.where(l > 0, l, xp.ones((), dtype=l.dtype))
+        if self.layout == "lane":
+            out = xp.permute_dims(out, (0, 3, 1, 2, 4))
+        return xp.astype(xp.reshape(out, (b, s, heads, out.shape[-1])), self.out_dtype)
+
+
+def _device(x: Any) -> Any:
+    from array_api_compat import device
+
+    return device(x)

@@ -1,0 +1,147 @@
+"""The columns a call attends over, a tile at a time, read where they are.
+
+A tile is ``(keys, values, mask)``: the keys and values of ``T`` consecutive columns of
+``extend``'s seen, exactly as ``extend`` reads them (a column no token of the lane sees, an
+unallocated one or a hole reads as zero), and ``mask`` ``[batch, seq, T]``, those columns of
+``index.mask()`` (``None`` where every token sees every column of the tile). Each function
+here takes the index's own helpers for both, so a tile holds what ``extend``'s seen and
+``mask`` hold there, by construction.
+
+What a tile reads depends only on the index and the pool's size: eagerly, the index keeps each
+tile's read plan for every layer (FlashInfer's plan/run split), together with what the host
+learnt making it: whether some token sees a column of the tile (a tile nobody sees is skipped,
+so a sliding window's decode reads its window, not the context) and whether every token sees
+every column (its mask is then never built). Traced, every tile is read and masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from ..backends.base import inside
+
+__all__ = ["Tile", "tiles"]
+
+
+class Tile(NamedTuple):
+    keys: Any  #: [batch, T, kv, d] (shared by a lane's tokens) or [batch, seq, T, kv, d]
+    values: Any
+    mask: Any  #: [batch, seq, T], or None where every token sees every column
+
+
+class _Plan(NamedTuple):
+    """One tile's read of a pool of ``n`` slots, kept by the index for every layer."""
+
+    shape: tuple[int, ...]  #: the read's leading shape, [batch, T] or [batch, seq, T]
+    read: Any  #: the backend's read plan
+    live: bool  #: some token sees some column (always True when traced)
+    full: bool  #: every token sees every column (always False when traced)
+
+
+def tiles(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
+    """The tiles of ``size`` columns of a call through ``index`` whose keys and values are
+    ``k`` and ``v`` and whose pools (after its stores) are ``kpool`` and ``vpool``."""
+    if index.kind != "tabled":
+        yield from _whole(index, k, v, size)
+    elif index.columns is not None:
+        yield from _selected(index, kpool, vpool, size)
+    else:
+        yield from _table(index, kpool, vpool, size)
+        if index.draft_slots is not None:
+            yield _draft(index, k, v)
+
+
+def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
+    for c0 in range(0, width, size):
+        yield c0, min(width, c0 + size)
+
+
+def _read(index: Any, pool: Any, plan: _Plan) -> Any:
+    got = index.backend.read(pool, plan.read)
+    return index.xp.reshape(got, (*plan.shape, *pool.shape[1:]))
+
+
+def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any) -> list[_Plan]:
+    """Each pool's plan of one tile, kept by the index under ``key`` and the pool's size;
+    ``make()`` gives the tile's ``(slots, ok, mask)``, and is called only to make one."""
+    xp, backend = index.xp, index.backend
+
+    def plan(n: int) -> _Plan:
+        slots, ok, mask = make()
+        gate = ok & inside(slots, n)
+        read = backend.read_plan(xp.reshape(slots, (-1,)), xp.reshape(gate, (-1,)), n)
+        if backend.tracing(index.pos):
+            return _Plan(tuple(slots.shape), read, True, False)
+        return _Plan(tuple(slots.shape), read, bool(xp.any(mask)), bool(xp.all(mask)))
+
+    return [index._memo((*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
+            for p in pools]
+
+
+def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
+    """Columns of the table (of blocks under ``every``), shared by a lane's tokens."""
+    draft = index.draft_slots is not None
+    found: dict[str, Any] = {}  # the lane table and the zeroing law, made once if needed
+
+    def lanes() -> tuple[Any, Any]:
+        if not found:
+            found["table"], found["some"] = index._lane_table, index._some_token_sees()
+        return found["table"], found["some"]
+
+    for c0, c1 in _spans(int(index._columns_table.shape[1]), size):
+
+        def mask(c0: int = c0, c1: int = c1) -> Any:
+            j = index._arange(c1 - c0)[None, None, :] + c0
+            return index._draft_sees_table(j) if draft else index._sees_columns(j)
+
+        def make(c0: int = c0, c1: int = c1, mask: Any = mask) -> tuple[Any, Any, Any]:
+            table, some = lanes()
+            return table[:, c0:c1], some[:, c0:c1], mask()
+
+        k_plan, v_plan = _plans(index, ("attend", c0, c1), (kpool, vpool), make)
+        if k_plan.live:
+            yield Tile(_read(index, kpool, k_plan), _read(index, vpool, v_plan),
+                       None if k_plan.full else mask())
+
+
+def _draft(index: Any, k: Any, v: Any) -> Tile:
+    """Under a draft, the call's own tokens: the columns after the table's."""
+    xp = index.xp
+    tail = index._draft_tail()
+    some = xp.any(tail, axis=1)
+    return Tile(index._zero_where(k, some), index._zero_where(v, some), tail)
+
+
+def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
+    """Each token's chosen columns, ``size`` of its choices at a time: the selection's tile is
+    the index's selection cut to those choices."""
+    columns = index.columns
+    for c0, c1 in _spans(int(columns.shape[2]), size):
+        part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
+        seen = part._sees_columns(part.columns)
+
+        def make(part: Any = part, seen: Any = seen) -> tuple[Any, Any, Any]:
+            return part._lane_lookup(part._lane_table, part.columns, seen), seen, seen
+
+        k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make)
+        if k_plan.live:
+            yield Tile(_read(index, kpool, k_plan), _read(index, vpool, v_plan),
+                       None if k_plan.full else seen)
+
+
+def _whole(index: Any, k: Any, v: Any, size: int) -> Iterator[Tile]:
+    """On a whole index the columns are the lane's tokens (or the tokens closing its
+    blocks), read from the call's own keys and values."""
+    if index.columns is not None:
+        columns = index.columns
+        for c0, c1 in _spans(int(columns.shape[2]), size):
+            part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
+            yield Tile(part._seen_whole(k), part._seen_whole(v),
+                       part._sees_columns(part.columns))
+        return
+    seen_k, seen_v = index._seen_whole(k), index._seen_whole(v)
+    for c0, c1 in _spans(index.context, size):
+        j = index._arange(c1 - c0)[None, None, :] + c0
+        yield Tile(seen_k[:, c0:c1, ...], seen_v[:, c0:c1, ...], index._sees_columns(j))
