@@ -27,7 +27,7 @@ def make(pos: Any, table: Any, *, row: Any = None,
 
     Raises if a shape is wrong, an axis is empty, an ``m`` is below 2 or two pairs share one.
     """
-    pairs = [] if every is None else list(every)
+    pairs = [] if every is None else _items("make", "every", every)
     named = [("pos", pos), ("table", table)]
     named += [("row", row)] if row is not None else []
     for i, pair in enumerate(pairs):
@@ -77,7 +77,7 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
     for n in lens:
         if n > context:
             raise check.fail("rows", f"a lane of {n} tokens does not fit a context of {context}")
-    ms = [check.integer("rows", "m", m) for m in every]
+    ms = [check.integer("rows", "m", m) for m in _items("rows", "every", every)]
     for i, m in enumerate(ms):
         if m < 2:
             raise check.fail("rows", f"an m of every is below 2: {m}")
@@ -140,6 +140,17 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
             pos[b, start:start + n] = np.arange(n)
             start += n
     return CacheIndex(kind="packed", pos=_converter(xp, device)(pos))
+
+
+def _items(fn: str, name: str, items: Any) -> list:
+    """``items`` as a list; a ``TypeError`` naming ``fn`` when it is no iterable."""
+    if isinstance(items, str | bytes):
+        raise TypeError(f"cacheidx.{fn}: {name} must be a sequence, got {items!r:.40}")
+    try:
+        return list(items)
+    except TypeError:
+        raise TypeError(f"cacheidx.{fn}: {name} must be a sequence, got "
+                        f"{type(items).__name__}") from None
 
 
 def _left_padded(lens: list[int], seq: int) -> np.ndarray:
