@@ -30,24 +30,16 @@ import dataclasses
 import weakref
 from typing import Any
 
-import array_api_compat as compat
 import numpy as np
 
 import cacheidx as ci
 
 from .. import devices
+from ..devices import to_host
 from ..models.llama import tree_map
 from .scheduler import Batch
 
 __all__ = ["Step", "buckets", "to_host"]
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A small array of any backend as NumPy."""
-    try:
-        return np.asarray(x)
-    except (TypeError, RuntimeError):  # device memory that will not convert implicitly
-        return np.asarray(compat.to_device(x, "cpu"))
 
 
 def _power(n: int) -> int:
