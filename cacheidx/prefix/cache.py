@@ -349,15 +349,42 @@ def _integer(name: str, value: Any, least: int) -> int:
     return check.integer("prefix.PrefixCache", name, value, least=least)
 
 
+_LARGEST = np.iinfo(np.int64).max
+
+
 def _bytes(op: str, tokens: Any) -> bytes:
     """Tokens as little-endian int64 bytes: page keys are slices of it, equal exactly when
-    the tokens are."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise ValueError(f"{_WHERE}.{op}: tokens must be a 1-D array of integers, got "
-                             f"{tokens.dtype} of shape {tokens.shape}")
-        return tokens.astype("<i8", copy=False).tobytes()
-    try:
-        return np.fromiter(tokens, dtype="<i8").tobytes()
-    except (TypeError, ValueError):
-        raise ValueError(f"{_WHERE}.{op}: tokens must be integers, got {tokens!r:.80}") from None
+    the tokens are. Only integers that int64 holds: a float is never truncated into
+    another prompt's key, nor a uint64 past 2**63 wrapped to a negative one."""
+    if not isinstance(tokens, np.ndarray):
+        if isinstance(tokens, str | bytes | dict) or not hasattr(tokens, "__iter__"):
+            raise TypeError(f"{_WHERE}.{op}: tokens must be a sequence of integers, got "
+                            f"{tokens!r:.80}")
+        items = tokens if hasattr(tokens, "__len__") else list(tokens)
+        # one pass in C over the items' types: a bool or a float among ints would convert
+        if not all(k is not bool and issubclass(k, int | np.integer)
+                   for k in set(map(type, items))):
+            _name_the_bad_token(op, items)
+        try:
+            tokens = np.asarray(items, dtype=np.int64)
+        except OverflowError:
+            _name_the_bad_token(op, items)
+    if tokens.ndim != 1:
+        raise ValueError(f"{_WHERE}.{op}: tokens must be a 1-D array of integers, got "
+                         f"{tokens.dtype} of shape {tokens.shape}")
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise TypeError(f"{_WHERE}.{op}: tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.dtype.kind == "u" and tokens.size and tokens.max() > _LARGEST:
+        raise ValueError(f"{_WHERE}.{op}: token {int(tokens.max())} is past the largest id a "
+                         f"key holds, {_LARGEST}")
+    return tokens.astype("<i8", copy=False).tobytes()
+
+
+def _name_the_bad_token(op: str, items: list) -> None:
+    """Raises naming the first item of ``items`` that is no integer int64 holds."""
+    for k, t in enumerate(items):
+        if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer):
+            raise TypeError(f"{_WHERE}.{op}: token {k} must be an integer, got {t!r:.40}")
+        if not -_LARGEST - 1 <= int(t) <= _LARGEST:
+            raise ValueError(f"{_WHERE}.{op}: token {k} is {int(t)}, past the int64 a key "
+                             f"holds")
