@@ -51,6 +51,9 @@ class Config:
     #: mantissa bits every matrix product keeps of its inputs; ``None`` keeps what the
     #: library keeps. 10 makes a CPU multiply as a GPU does under TF32 (a numerical check).
     matmul_mantissa: int | None = None
+    #: the positions the model was trained for (a GGUF file's ``context_length``); a server
+    #: refuses a longer request. ``None``: no limit known.
+    context: int | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
