@@ -102,11 +102,17 @@ class PrefixCache:
     def __init__(self, pages: int, page_size: int, *, policy: Callable[[CachedPage], Any] = lru):
         self._capacity = _integer("pages", pages, 0)
         self._size = _integer("page_size", page_size, 1)
+        if self._capacity * self._size > _LARGEST:  # a table names slots in int64
+            raise ValueError(f"{_WHERE}: {self._capacity} pages of {self._size} tokens are "
+                             f"more slots than int64 numbers")
         if not callable(policy):
             raise TypeError(f"{_WHERE}: policy must be callable, got {policy!r}")
         self.policy = policy
         self._root = CachedPage(-1, -1, b"", None)
-        self._free = list(range(self._capacity - 1, -1, -1))  # a stack: page 0 first
+        # free pages: those freed since, a stack, then the pages from ``_fresh`` on, never
+        # used (kept as a number, so that a pool of any size costs nothing to make)
+        self._free: list[int] = []
+        self._fresh = 0
         self._clock = 0
         self._heap: list[tuple[Any, int, int, CachedPage]] = []
         self._pushes = itertools.count()
@@ -127,7 +133,7 @@ class PrefixCache:
     @property
     def free(self) -> int:
         """Pages holding nothing."""
-        return len(self._free)
+        return len(self._free) + self._capacity - self._fresh
 
     @property
     def cached(self) -> int:
@@ -184,7 +190,8 @@ class PrefixCache:
         n = len(data) // 8
         if n == 0:
             raise ValueError(f"{_WHERE}.admit: the prompt is empty")
-        total = n if total is None else _integer("total", total, n)
+        total = n if total is None else check.integer("prefix.PrefixCache.admit", "total",
+                                                      total, least=n)
         want = self.pages_for(total)
         if want > self._capacity:
             raise PageError(f"{_WHERE}.admit: {total} tokens need {want} pages of "
@@ -294,10 +301,13 @@ class PrefixCache:
             self._push(parent)
 
     def _alloc(self, k: int) -> list[int]:
-        while len(self._free) < k:
+        while self.free < k:
             self._evict()
-        got = self._free[len(self._free) - k :][::-1]
-        del self._free[len(self._free) - k :]
+        taken = min(k, len(self._free))  # the freed pages first, the last freed first
+        got = self._free[len(self._free) - taken :][::-1]
+        del self._free[len(self._free) - taken :]
+        got += range(self._fresh, self._fresh + k - taken)
+        self._fresh += k - taken
         return got
 
     def _live(self, hold: Hold, op: str) -> None:
@@ -341,7 +351,8 @@ class PrefixCache:
             x = stack.pop()
             assert x.readers == readers[id(x)], f"{x} has {readers[id(x)]} holds"
             stack.extend(x.children.values())
-        assert len(seen) == self._capacity, f"{self._capacity - len(seen)} pages leaked"
+        assert all(p < self._fresh for p in seen), "a page never used is also in use or freed"
+        assert len(seen) == self._fresh, f"{self._fresh - len(seen)} pages leaked"
         assert cached == self._cached and unread == self._unread
 
 
