@@ -14,6 +14,8 @@ from .index import CacheIndex
 
 __all__ = ["make", "rows", "whole", "packed"]
 
+_LARGEST = (1 << 63) - 1  # index tensors hold int64 (or less): no slot or position past it
+
 
 def make(pos: Any, table: Any, *, row: Any = None,
          every: Iterable[tuple[int, Any]] | None = None) -> CacheIndex:
@@ -84,6 +86,9 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
         if m in ms[:i]:
             raise check.fail("rows", f"m = {m} appears twice in every")
     batch = len(lens)
+    if batch * context > _LARGEST:
+        raise check.fail("rows", f"{batch} lanes of a context of {context} are more slots than "
+                         f"int64 numbers")
     pos = _left_padded(lens, max(max(lens), 1))
     table = np.arange(batch * context).reshape(batch, context)
     blocks = []
@@ -107,6 +112,8 @@ def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
     if batch < 1 or seq < 1:
         raise check.fail("whole", f"batch and seq must be positive, got batch={batch}, "
                          f"seq={seq}")
+    if seq > _LARGEST:
+        raise check.fail("whole", f"seq={seq} is more positions than int64 numbers")
     if lens is None:
         lens = [seq] * batch
     lens = check.lengths("whole", "lens", lens)
@@ -128,6 +135,8 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
     seq = check.integer("packed", "seq", seq)
     if seq < 1:
         raise check.fail("packed", f"seq must be positive, got {seq}")
+    if seq > _LARGEST:
+        raise check.fail("packed", f"seq={seq} is more positions than int64 numbers")
     lanes = [check.lengths("packed", f"lens[{b}]", lane) for b, lane in enumerate(lens)]
     if not lanes:
         raise check.fail("packed", "there is no lane: lens is empty")
