@@ -16,11 +16,11 @@ import io
 import json
 import math
 import os
-import signal
 import tempfile
 
 import numpy as np
 import pytest
+from deadline import within
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -89,21 +89,6 @@ def check_laws(e: Engine) -> None:
     if cache.capacity >= cache.pages_for(4):
         (later,) = e.run([Request("later", (1, 2, 3), 2)])
         assert later.error is None and later.tokens == alone((1, 2, 3), 2)
-
-
-@contextlib.contextmanager
-def within(seconds: float):
-    """Raises ``TimeoutError`` in the block once ``seconds`` have passed: a hang fails."""
-    def alarm(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # -- the engine: concrete cases ------------------------------------------------------------------
