@@ -117,6 +117,29 @@ def test_a_request_longer_than_the_models_context_fails_when_submitted():
     check_laws(e)
 
 
+def test_smollm2s_context_is_its_gguf_files_and_a_longer_prompt_is_refused():
+    """Issue 20, repro 4: the eager command once took a 9,031-token prompt past SmolLM2's
+    8,192. The config read from the GGUF file carries its context_length; the engine's
+    scheduler refuses a request past it (the pool here would hold it)."""
+    from cacheidx.models import gguf, gguf_file
+    from cacheidx.prefix import PrefixCache
+    from cacheidx.serve import Scheduler
+
+    try:
+        path = gguf.smollm2_path()
+    except gguf.ModelMissing as e:
+        pytest.skip(f"SmolLM2 is not installed: {e}")
+    config = gguf.read_config(gguf_file.open_gguf(path))
+    assert (config.vocab, config.context) == (49152, 8192)
+    model = LlamaModel(config, params=None)
+    scheduler = Scheduler(PrefixCache(1024, 16), lanes=1, chunk=64, vocab=model.vocab,
+                          longest=model.context)
+    assert scheduler.refusal(Request("long", (1,) * 9031, 32)) == (
+        "request 'long' holds 9062 tokens (9031 prompt tokens and up to 32 new ones); the "
+        "model's context is 8192")
+    assert scheduler.refusal(Request("fits", (1,) * 8161, 32)) is None
+
+
 def test_a_call_that_raises_fails_only_the_lanes_that_raise_alone():
     """The model raises for one lane of a call: the call is tried lane by lane, that lane's
     request fails with the model's error and releases its pages, the others are served."""
