@@ -65,7 +65,8 @@ class Engine:
     (:mod:`cacheidx.serve.step`; exact eager, buckets compiled by default). ``context``
     caps the tokens a request holds (prompt and new ones; a longer one fails) and sizes the
     table once: with fixed shapes, one program for each kind of call. ``debug`` checks every
-    call's index (:func:`cacheidx.check`) before the model reads it.
+    call's index (:func:`cacheidx.check`) before the model reads it (an ``executor`` makes
+    its own calls, and checks what it will).
 
     Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
     that is not a positive integer (``pages`` may be 0)."""
