@@ -10,6 +10,8 @@ from . import backends
 from .backends import use
 from .build import make, packed, rows, whole
 from .index import CacheIndex, Structure
+from .obligations import check
 
-__all__ = ["CacheIndex", "Structure", "backends", "make", "packed", "rows", "use", "whole"]
+__all__ = ["CacheIndex", "Structure", "backends", "check", "make", "packed", "rows", "use",
+           "whole"]
 __version__ = "0.1.0"

@@ -40,10 +40,14 @@ def namespace(fn: str, *arrays: Any) -> Any:
 
 def array(fn: str, name: str, x: Any, xp: Any, shape: tuple, *, kind: str = "integral") -> Any:
     """An array of dtype ``kind`` whose shape matches ``shape`` (``None`` for any size, which
-    must not be empty)."""
+    must not be empty). Integers are signed: an index tensor holds -1 for none, which an
+    unsigned dtype cannot (its -1 would be a slot, and ``extend`` would overflow)."""
     if not xp.isdtype(x.dtype, kind):
         what = "integers" if kind == "integral" else "booleans"
         raise TypeError(f"cacheidx.{fn}: {name} must hold {what}, got dtype {x.dtype}")
+    if kind == "integral" and not xp.isdtype(x.dtype, "signed integer"):
+        raise TypeError(f"cacheidx.{fn}: {name} must hold signed integers (-1 marks none), got "
+                        f"dtype {x.dtype}")
     got = tuple(x.shape)
     if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
         want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"

@@ -14,6 +14,8 @@ from .index import CacheIndex
 
 __all__ = ["make", "rows", "whole", "packed"]
 
+_LARGEST = (1 << 63) - 1  # index tensors hold int64 (or less): no slot or position past it
+
 
 def make(pos: Any, table: Any, *, row: Any = None,
          every: Iterable[tuple[int, Any]] | None = None) -> CacheIndex:
@@ -27,7 +29,7 @@ def make(pos: Any, table: Any, *, row: Any = None,
 
     Raises if a shape is wrong, an axis is empty, an ``m`` is below 2 or two pairs share one.
     """
-    pairs = [] if every is None else list(every)
+    pairs = [] if every is None else _items("make", "every", every)
     named = [("pos", pos), ("table", table)]
     named += [("row", row)] if row is not None else []
     for i, pair in enumerate(pairs):
@@ -77,13 +79,16 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
     for n in lens:
         if n > context:
             raise check.fail("rows", f"a lane of {n} tokens does not fit a context of {context}")
-    ms = [check.integer("rows", "m", m) for m in every]
+    ms = [check.integer("rows", "m", m) for m in _items("rows", "every", every)]
     for i, m in enumerate(ms):
         if m < 2:
             raise check.fail("rows", f"an m of every is below 2: {m}")
         if m in ms[:i]:
             raise check.fail("rows", f"m = {m} appears twice in every")
     batch = len(lens)
+    if batch * context > _LARGEST:
+        raise check.fail("rows", f"{batch} lanes of a context of {context} are more slots than "
+                         f"int64 numbers")
     pos = _left_padded(lens, max(max(lens), 1))
     table = np.arange(batch * context).reshape(batch, context)
     blocks = []
@@ -107,6 +112,8 @@ def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
     if batch < 1 or seq < 1:
         raise check.fail("whole", f"batch and seq must be positive, got batch={batch}, "
                          f"seq={seq}")
+    if seq > _LARGEST:
+        raise check.fail("whole", f"seq={seq} is more positions than int64 numbers")
     if lens is None:
         lens = [seq] * batch
     lens = check.lengths("whole", "lens", lens)
@@ -128,6 +135,8 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
     seq = check.integer("packed", "seq", seq)
     if seq < 1:
         raise check.fail("packed", f"seq must be positive, got {seq}")
+    if seq > _LARGEST:
+        raise check.fail("packed", f"seq={seq} is more positions than int64 numbers")
     lanes = [check.lengths("packed", f"lens[{b}]", lane) for b, lane in enumerate(lens)]
     if not lanes:
         raise check.fail("packed", "there is no lane: lens is empty")
@@ -140,6 +149,17 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
             pos[b, start:start + n] = np.arange(n)
             start += n
     return CacheIndex(kind="packed", pos=_converter(xp, device)(pos))
+
+
+def _items(fn: str, name: str, items: Any) -> list:
+    """``items`` as a list; a ``TypeError`` naming ``fn`` when it is no iterable."""
+    if isinstance(items, str | bytes):
+        raise TypeError(f"cacheidx.{fn}: {name} must be a sequence, got {items!r:.40}")
+    try:
+        return list(items)
+    except TypeError:
+        raise TypeError(f"cacheidx.{fn}: {name} must be a sequence, got "
+                        f"{type(items).__name__}") from None
 
 
 def _left_padded(lens: list[int], seq: int) -> np.ndarray:

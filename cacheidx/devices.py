@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["canonical", "label", "resolve", "found"]
+import numpy as np
+
+__all__ = ["canonical", "label", "resolve", "found", "to_host"]
 
 _ALIASES = {"gpu": "cuda"}
 _NAME = re.compile(r"^([a-z]+)(?::(\d+))?$")
@@ -59,3 +61,13 @@ def resolve(backend: Any, name: str | None) -> Any:
     labels = [backend.device_label(d) for d in devices]
     raise ValueError(f"cacheidx: {backend.name} has no device {name!r} ({want}); found: "
                      f"{', '.join(dict.fromkeys(labels))}")
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A small array of any backend as NumPy, copied off its device where it lies on one."""
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError):  # device memory that will not convert implicitly
+        import array_api_compat as compat
+
+        return np.asarray(compat.to_device(x, "cpu"))

@@ -112,6 +112,19 @@ def test_a_request_larger_than_the_pool_raises_and_a_busy_pool_says_none():
     (lambda: PrefixCache(4, 2).match([]), ValueError, "the prompt is empty"),
     (lambda: PrefixCache(4, 2).admit([1, 2], 1), ValueError, "total must be at least 2"),
     (lambda: PrefixCache(4, 2).match(np.zeros((2, 2), int)), ValueError, "1-D array"),
+    # a float is never truncated into another prompt's key (1.9 is not 1), a bool is no id
+    (lambda: PrefixCache(4, 2).match([1.9, 2.9, 3.9]), TypeError,
+     "match: token 0 must be an integer, got 1.9"),
+    (lambda: PrefixCache(4, 2).match(np.asarray([1.5, 2.0])), TypeError,
+     "match: tokens must be integers, got dtype float64"),
+    (lambda: PrefixCache(4, 2).admit([3, True]), TypeError, "token 1 must be an integer, got True"),
+    (lambda: PrefixCache(4, 2).match("abc"), TypeError, "tokens must be a sequence of integers"),
+    (lambda: PrefixCache(4, 2).match(7), TypeError, "tokens must be a sequence of integers, got 7"),
+    # never wrapped to a negative key, never a bare OverflowError
+    (lambda: PrefixCache(4, 2).match(np.asarray([2**63 + 5, 1], np.uint64)), ValueError,
+     "token 9223372036854775813 is past the largest id a key holds"),
+    (lambda: PrefixCache(4, 2).match([1, 2**64]), ValueError,
+     "token 1 is 18446744073709551616, past the int64 a key holds"),
 ])
 def test_bad_input_names_the_function_and_the_value(call, error, message):
     with pytest.raises(error, match=message):

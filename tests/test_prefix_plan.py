@@ -356,3 +356,26 @@ def test_the_command_line_prints_the_report_and_the_tree(tmp_path, capsys):
     )
     assert main([str(path), "--page-size", "0"]) == 2
     assert "cacheidx.prefix.plan: page_size must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[1, 2]\n{"tokens": [1, 2\n', ":2: not JSON (Expecting ',' delimiter at column 17)"),
+    ("[1, 2]\n\n[[1, 2], [3]]\n", ":3: token 0 must be an integer from 0 to 2**63 - 1, got [1, 2]"),
+    ("[1, 2.5]\n", ":1: token 1 must be an integer from 0 to 2**63 - 1, got 2.5"),
+    ("[true, 2]\n", ":1: token 0 must be an integer from 0 to 2**63 - 1, got true"),
+    ("[1, 9223372036854775808]\n", ":1: token 1 must be an integer"),
+    ('{"input_ids": []}\n', ":1: the prompt is empty"),
+    ('"abc"\n', ":1: expected a list of token ids"),
+])
+def test_the_command_line_names_the_file_and_line_of_a_bad_prompt(tmp_path, capsys, text,
+                                                                   message):
+    """Lines count from 1, as the file's own; the exit status is 2 and nothing is planned."""
+    from cacheidx.prefix.__main__ import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"error: {path}{message}" in captured.err and captured.out == ""
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -151,14 +151,15 @@ def test_every_request_gets_its_own_tokens_whatever_arrives_when(stems, drawn, p
     """Random prompts sharing prefixes, random arrival steps, pool, page, lane and chunk sizes,
     calls padded to buckets or one fixed shape: with the cache and without, each request's
     tokens are those it gets alone (or it fails, exactly when the pool cannot hold it);
-    nothing leaks; the cache computes no more."""
+    nothing leaks; the cache computes no more; every call's index keeps the table's
+    obligations (``debug``: ``ci.check``)."""
     model = Ledger()
     requests = [Request(i, stems[s] + tail, new, arrival=at, stop=stop)
                 for i, (s, tail, new, at) in enumerate(drawn)]
     computed = {}
     for cache in (True, False):
         engine = Engine(model=model, pages=pages, page_size=page_size, lanes=lanes,
-                        chunk=chunk, cache=cache, clock="steps", shapes=shapes)
+                        chunk=chunk, cache=cache, clock="steps", shapes=shapes, debug=True)
         results = engine.run(requests)
         for request, result in zip(requests, results, strict=True):
             if pages_for(request, page_size) > pages:
@@ -187,7 +188,7 @@ def test_the_ledger_runs_on_every_backend(name, compile):
     system = [3, 1, 4, 1, 5, 9, 2, 6]
     requests = [Request(i, system + [i] * (i + 1), 3, arrival=i) for i in range(4)]
     engine = Engine(model=model, backend=name, device="cpu", compile=compile, pages=24,
-                    page_size=4, lanes=2, chunk=4, clock="steps")
+                    page_size=4, lanes=2, chunk=4, clock="steps", debug=True)
     results = engine.run(requests)
     assert [r.tokens for r in results] == [model.alone(r.prompt, 3) for r in requests]
     assert engine.figures()["cached_tokens"] > 0
@@ -345,7 +346,7 @@ def test_tiny_llama_equal_with_and_without_the_cache_and_under_pressure(tiny, na
         monkeypatch.setattr(backend, "compiler", "aot_eager")
     # one shape of each call (the ledger's test shows buckets): compiling is what costs here
     common = dict(backend=name, compile=compile, page_size=4, lanes=5, chunk=16,
-                  keep_logits=True, clock="steps", context=64,
+                  keep_logits=True, clock="steps", context=64, debug=True,
                   shapes="fixed" if name != "numpy" else None)
     ideal = Engine(model, pages=256, **common)
     runs = {"cache": (ideal, chat(ideal))}

@@ -146,6 +146,11 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         progress: Any = sys.stderr) -> list[dict]:
     """The report: one entry per backend and device, each mode's laws in it."""
     found = targets(names, device)
+    for t in found:  # a backend without the modes asked for is skipped, never a failure
+        if t["status"] == "run" and not jobs(t, modes):
+            has = ["eager", *backends._class(t["backend"]).modes]
+            t["status"] = (f"skipped: {t['backend']} has no {' or '.join(modes or [])} mode "
+                           f"(it has {', '.join(has)})")
     todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
     todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
     options = {"precision": precision, "torch_compiler": torch_compiler}

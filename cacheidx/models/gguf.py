@@ -97,6 +97,7 @@ def read_config(reader) -> Config:
         rope_base=float(get("rope.freq_base")),
         eps=float(get("attention.layer_norm_rms_epsilon")),
         tied="output.weight" not in names,
+        context=int(get("context_length")) if _has(reader, "llama.context_length") else None,
     )
 
 

@@ -56,6 +56,9 @@ class Config:
     #: library keeps. 10 makes a CPU multiply as a GPU does under TF32 (a numerical check).
     #: The products inside ``index.attend`` keep what the library keeps.
     matmul_mantissa: int | None = None
+    #: the positions the model was trained for (a GGUF file's ``context_length``); a server
+    #: refuses a longer request. ``None``: no limit known.
+    context: int | None = None
     #: how a layer attends: ``"attend"``, ``index.attend`` over the pools in place; or
     #: ``"extend"``, the spec's path: ``extend``'s seen, then :func:`attend` under ``mask``
     attention: str = "attend"

@@ -18,20 +18,37 @@ _KEYS = ("tokens", "prompt_ids", "input_ids")
 
 
 def read_prompts(path: str) -> list[list[int]]:
-    """The prompts of a JSONL file; ``ValueError`` naming the line for one that is none."""
+    """The prompts of a JSONL file; ``ValueError`` naming the file and the line (counted
+    from 1) for one that is no prompt: not UTF-8, not JSON, no list of token ids, an empty
+    list, or an id that is no integer from 0 to 2**63 - 1."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        data = f.read()
+    for n, raw in enumerate(data.splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
             item = json.loads(line)
-            if isinstance(item, dict):
-                item = next((item[k] for k in _KEYS if k in item), None)
-            if not isinstance(item, list):
-                raise ValueError(
-                    f"{path}:{n}: expected a list of token ids or an object with one of {_KEYS}"
-                )
-            prompts.append(item)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({getattr(e, 'msg', e)} at column "
+                             f"{getattr(e, 'colno', '?')})") from None
+        if isinstance(item, dict):
+            item = next((item[k] for k in _KEYS if k in item), None)
+        if not isinstance(item, list):
+            raise ValueError(
+                f"{path}:{n}: expected a list of token ids or an object with one of {_KEYS}"
+            )
+        if not item:
+            raise ValueError(f"{path}:{n}: the prompt is empty")
+        for k, t in enumerate(item):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 63:
+                raise ValueError(f"{path}:{n}: token {k} must be an integer from 0 to 2**63 - 1, "
+                                 f"got {json.dumps(t)[:40]}")
+        prompts.append(item)
     return prompts
 
 
@@ -68,7 +85,11 @@ def _tokens(t, shown: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cacheidx.prefix", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m cacheidx.prefix", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status: 0 planned; 2 bad usage (a bad option, a file that cannot be read, "
+        "a line that is no prompt, named as FILE:LINE counting from 1)")
     parser.add_argument("prompts", help="a JSONL file, one prompt a line")
     parser.add_argument("--page-size", type=int, default=16, help="tokens a page (16)")
     parser.add_argument("--dedupe", action="store_true", help="exact copies compute nothing")

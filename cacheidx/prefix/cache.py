@@ -102,11 +102,17 @@ class PrefixCache:
     def __init__(self, pages: int, page_size: int, *, policy: Callable[[CachedPage], Any] = lru):
         self._capacity = _integer("pages", pages, 0)
         self._size = _integer("page_size", page_size, 1)
+        if self._capacity * self._size > _LARGEST:  # a table names slots in int64
+            raise ValueError(f"{_WHERE}: {self._capacity} pages of {self._size} tokens are "
+                             f"more slots than int64 numbers")
         if not callable(policy):
             raise TypeError(f"{_WHERE}: policy must be callable, got {policy!r}")
         self.policy = policy
         self._root = CachedPage(-1, -1, b"", None)
-        self._free = list(range(self._capacity - 1, -1, -1))  # a stack: page 0 first
+        # free pages: those freed since, a stack, then the pages from ``_fresh`` on, never
+        # used (kept as a number, so that a pool of any size costs nothing to make)
+        self._free: list[int] = []
+        self._fresh = 0
         self._clock = 0
         self._heap: list[tuple[Any, int, int, CachedPage]] = []
         self._pushes = itertools.count()
@@ -127,7 +133,7 @@ class PrefixCache:
     @property
     def free(self) -> int:
         """Pages holding nothing."""
-        return len(self._free)
+        return len(self._free) + self._capacity - self._fresh
 
     @property
     def cached(self) -> int:
@@ -184,7 +190,8 @@ class PrefixCache:
         n = len(data) // 8
         if n == 0:
             raise ValueError(f"{_WHERE}.admit: the prompt is empty")
-        total = n if total is None else _integer("total", total, n)
+        total = n if total is None else check.integer("prefix.PrefixCache.admit", "total",
+                                                      total, least=n)
         want = self.pages_for(total)
         if want > self._capacity:
             raise PageError(f"{_WHERE}.admit: {total} tokens need {want} pages of "
@@ -294,10 +301,13 @@ class PrefixCache:
             self._push(parent)
 
     def _alloc(self, k: int) -> list[int]:
-        while len(self._free) < k:
+        while self.free < k:
             self._evict()
-        got = self._free[len(self._free) - k :][::-1]
-        del self._free[len(self._free) - k :]
+        taken = min(k, len(self._free))  # the freed pages first, the last freed first
+        got = self._free[len(self._free) - taken :][::-1]
+        del self._free[len(self._free) - taken :]
+        got += range(self._fresh, self._fresh + k - taken)
+        self._fresh += k - taken
         return got
 
     def _live(self, hold: Hold, op: str) -> None:
@@ -341,7 +351,8 @@ class PrefixCache:
             x = stack.pop()
             assert x.readers == readers[id(x)], f"{x} has {readers[id(x)]} holds"
             stack.extend(x.children.values())
-        assert len(seen) == self._capacity, f"{self._capacity - len(seen)} pages leaked"
+        assert all(p < self._fresh for p in seen), "a page never used is also in use or freed"
+        assert len(seen) == self._fresh, f"{self._fresh - len(seen)} pages leaked"
         assert cached == self._cached and unread == self._unread
 
 
@@ -349,15 +360,42 @@ def _integer(name: str, value: Any, least: int) -> int:
     return check.integer("prefix.PrefixCache", name, value, least=least)
 
 
+_LARGEST = np.iinfo(np.int64).max
+
+
 def _bytes(op: str, tokens: Any) -> bytes:
     """Tokens as little-endian int64 bytes: page keys are slices of it, equal exactly when
-    the tokens are."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise ValueError(f"{_WHERE}.{op}: tokens must be a 1-D array of integers, got "
-                             f"{tokens.dtype} of shape {tokens.shape}")
-        return tokens.astype("<i8", copy=False).tobytes()
-    try:
-        return np.fromiter(tokens, dtype="<i8").tobytes()
-    except (TypeError, ValueError):
-        raise ValueError(f"{_WHERE}.{op}: tokens must be integers, got {tokens!r:.80}") from None
+    the tokens are. Only integers that int64 holds: a float is never truncated into
+    another prompt's key, nor a uint64 past 2**63 wrapped to a negative one."""
+    if not isinstance(tokens, np.ndarray):
+        if isinstance(tokens, str | bytes | dict) or not hasattr(tokens, "__iter__"):
+            raise TypeError(f"{_WHERE}.{op}: tokens must be a sequence of integers, got "
+                            f"{tokens!r:.80}")
+        items = tokens if hasattr(tokens, "__len__") else list(tokens)
+        # one pass in C over the items' types: a bool or a float among ints would convert
+        if not all(k is not bool and issubclass(k, int | np.integer)
+                   for k in set(map(type, items))):
+            _name_the_bad_token(op, items)
+        try:
+            tokens = np.asarray(items, dtype=np.int64)
+        except OverflowError:
+            _name_the_bad_token(op, items)
+    if tokens.ndim != 1:
+        raise ValueError(f"{_WHERE}.{op}: tokens must be a 1-D array of integers, got "
+                         f"{tokens.dtype} of shape {tokens.shape}")
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise TypeError(f"{_WHERE}.{op}: tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.dtype.kind == "u" and tokens.size and tokens.max() > _LARGEST:
+        raise ValueError(f"{_WHERE}.{op}: token {int(tokens.max())} is past the largest id a "
+                         f"key holds, {_LARGEST}")
+    return tokens.astype("<i8", copy=False).tobytes()
+
+
+def _name_the_bad_token(op: str, items: list) -> None:
+    """Raises naming the first item of ``items`` that is no integer int64 holds."""
+    for k, t in enumerate(items):
+        if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer):
+            raise TypeError(f"{_WHERE}.{op}: token {k} must be an integer, got {t!r:.40}")
+        if not -_LARGEST - 1 <= int(t) <= _LARGEST:
+            raise ValueError(f"{_WHERE}.{op}: token {k} is {int(t)}, past the int64 a key "
+                             f"holds")

@@ -6,9 +6,9 @@
 
 from .engine import Engine
 from .model import LlamaModel, Model, ShardedModel
-from .requests import Request, Result, read_requests
+from .requests import Line, Request, Result, read_requests
 from .scheduler import Batch, Lane, Scheduler
-from .step import Step
+from .step import Step, TableError
 
-__all__ = ["Batch", "Engine", "Lane", "LlamaModel", "Model", "Request", "Result", "Scheduler",
-           "ShardedModel", "Step", "read_requests"]
+__all__ = ["Batch", "Engine", "Lane", "Line", "LlamaModel", "Model", "Request", "Result",
+           "Scheduler", "ShardedModel", "Step", "TableError", "read_requests"]

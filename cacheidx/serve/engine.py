@@ -15,6 +15,13 @@ Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
    next turn follows an answer).
 3. Nothing leaks: once :meth:`Engine.run` returns, every page is free or cached with no
    reader.
+4. A request fails alone. One the engine can never serve (a token id past the model's
+   vocabulary, more tokens than the model's context or the pool, see the scheduler's law 1)
+   fails when it is submitted. A call that raises is tried again lane by lane; a lane that
+   raises alone fails, its pages released, and the others go on. Either way its result
+   carries the error, the others are served, and the engine serves the next ``run``.
+   (A call whose index breaks an obligation of the table under ``debug`` is the engine's
+   own bug: :class:`~cacheidx.serve.step.TableError` is raised.)
 """
 
 from __future__ import annotations
@@ -27,15 +34,17 @@ from typing import Any
 
 import numpy as np
 
+from .. import _check as check
 from ..prefix.cache import PrefixCache, lru
 from .requests import Request, Result
 from .scheduler import Batch, Scheduler
-from .step import Step
+from .step import Step, TableError
 
 __all__ = ["Engine"]
 
 
 _KINDS = ("prefill", "decode", "prefill warmup", "decode warmup")
+_WHERE = "serve.Engine"
 
 
 def _quiet(_: str) -> None:
@@ -55,30 +64,44 @@ class Engine:
     (``"exact"``, ``"buckets"``, ``"fixed"``) says how calls are shaped
     (:mod:`cacheidx.serve.step`; exact eager, buckets compiled by default). ``context``
     caps the tokens a request holds (prompt and new ones; a longer one fails) and sizes the
-    table once: with fixed shapes, one program for each kind of call."""
+    table once: with fixed shapes, one program for each kind of call. ``debug`` checks every
+    call's index (:func:`cacheidx.check`) before the model reads it (an ``executor`` makes
+    its own calls, and checks what it will).
+
+    Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
+    that is not a positive integer (``pages`` may be 0)."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool = False, pages: int = 256,
                  page_size: int = 16, lanes: int = 8, chunk: int | None = None,
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
                  clock: str = "seconds", shapes: str | None = None,
-                 context: int | None = None):
+                 context: int | None = None, debug: bool = False):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
         if clock not in ("seconds", "steps"):
             raise ValueError(f"cacheidx.serve.Engine: clock must be 'seconds' or 'steps', got "
                              f"{clock!r}")
-        chunk = (64 if compile else 256) if chunk is None else int(chunk)
+        pages = check.integer(_WHERE, "pages", pages, least=0)
+        page_size = check.integer(_WHERE, "page_size", page_size, least=1)
+        lanes = check.integer(_WHERE, "lanes", lanes, least=1)
+        chunk = (64 if compile else 256) if chunk is None else \
+            check.integer(_WHERE, "chunk", chunk, least=1)
+        if context is not None:
+            context = check.integer(_WHERE, "context", context, least=1)
         self.cache = PrefixCache(pages, page_size, policy=policy)
         self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
-                                   context=context)
+                                   context=context, vocab=getattr(model, "vocab", None),
+                                   longest=getattr(model, "context", None))
         if executor is None:
             executor = Step(model, backend=backend, device=device, compile=compile,
                             slots=pages * page_size, lanes=lanes, chunk=chunk,
-                            page_size=page_size, keep_logits=keep_logits, shapes=shapes)
+                            page_size=page_size, keep_logits=keep_logits, shapes=shapes,
+                            debug=debug)
         self.executor = executor
         self.clock = clock
         self._pending: list[tuple[float, int, Request]] = []
+        self._refused: list[Result] = []  # failed when submitted, reported by the next step
         self._order = itertools.count()
         self._open: list[int] = []  # tickets submitted since the last run
         self._finished: dict[int, Result] = {}
@@ -99,24 +122,31 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: Request) -> int:
-        """Queues ``request`` until its arrival; returns its ticket (its result's ``ticket``)."""
+        """Queues ``request`` until its arrival; returns its ticket (its result's ``ticket``).
+        A request the engine can never serve fails now (law 4): its result, error set, comes
+        back from the next step."""
         if not isinstance(request, Request):
             raise TypeError(f"cacheidx.serve.Engine.submit: expected a Request, got "
                             f"{type(request).__name__}")
         ticket = next(self._order)
-        heapq.heappush(self._pending, (request.arrival, ticket, request))
         self._open.append(ticket)
+        if self.scheduler.refusal(request) is not None:
+            self._refused.append(self.scheduler.submit(request, 0.0, ticket))
+        else:
+            heapq.heappush(self._pending, (request.arrival, ticket, request))
         return ticket
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending) or self.scheduler.busy
+        return bool(self._pending or self._refused) or self.scheduler.busy
 
     def step(self) -> list[Result]:
         """One step (see the module's laws): arrivals, admission, a prefill call, a decode
         call. Returns the results that finished in it."""
         now = self.now()
-        done: list[Result] = []
+        done, self._refused = self._refused, []
+        for result in done:
+            result.finished = now
         while self._pending and self._pending[0][0] <= now:
             _, ticket, request = heapq.heappop(self._pending)
             failed = self.scheduler.submit(request, now, ticket)
@@ -127,8 +157,8 @@ class Engine:
                 wait = self._pending[0][0] - now
                 if self.clock == "steps":
                     self.steps += max(1, int(np.ceil(wait)))
-                else:
-                    time.sleep(max(0.0, wait))
+                else:  # in slices: a far arrival never overflows a sleep
+                    time.sleep(min(max(0.0, wait), 1.0))
         else:
             self.scheduler.admit(now)
             ran = False
@@ -146,8 +176,13 @@ class Engine:
 
     def _call(self, batch: Batch) -> list[Result]:
         t0 = time.perf_counter()
-        chosen, logits, new = self.executor.run(batch, self.scheduler.table,
-                                                self.scheduler.version)
+        try:
+            chosen, logits, new = self.executor.run(batch, self.scheduler.table,
+                                                    self.scheduler.version)
+        except TableError:
+            raise
+        except Exception as e:  # law 4: whatever the model raised, it fails its lanes alone
+            return self._failed(batch, e)
         spent = time.perf_counter() - t0
         kind = f"{batch.kind} warmup" if new else batch.kind
         self.timing[kind] += spent
@@ -156,11 +191,26 @@ class Engine:
             self.decode_tokens += len(batch.lanes)
         return self.scheduler.after(batch, chosen, logits, self.now())
 
+    def _failed(self, batch: Batch, error: Exception) -> list[Result]:
+        """Law 4: a call that raised, tried again lane by lane; a lane that raises alone
+        fails."""
+        self.scheduler.fed_from_host()
+        if len(batch.lanes) > 1:
+            return [r for b in range(len(batch.lanes)) for r in self._call(batch.alone(b))]
+        message = f"the model's {batch.kind} call failed: {type(error).__name__}: {error}"
+        return [self.scheduler.fail(batch.lanes[0], message, self.now())]
+
     def run(self, requests: Iterable[Request] = (), *,
             on_finish: Callable[[Result], None] | None = None,
             progress: Callable[[str], None] = _quiet) -> list[Result]:
         """Serves ``requests`` (and any submitted before, or by ``on_finish``) to the end;
-        returns their results in the order they were submitted."""
+        returns their results in the order they were submitted. Raises ``TypeError`` naming
+        the item, submitting none, when one of ``requests`` is no :class:`Request`."""
+        requests = list(requests)
+        for k, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise TypeError(f"cacheidx.serve.Engine.run: item {k} of requests is a "
+                                f"{type(r).__name__}, not a Request; nothing was submitted")
         for r in requests:
             self.submit(r)
         while self.busy:

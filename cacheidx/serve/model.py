@@ -14,7 +14,9 @@ __all__ = ["LlamaModel", "Model", "ShardedModel"]
 class Model(Protocol):
     """What the engine calls. A model may also say where the call's inputs go (``device``,
     instead of the engine's ``device`` name) and how to read an output on the host
-    (``host``)."""
+    (``host``), and what requests it can take: ``vocab`` (token ids below it) and ``context``
+    (the most tokens a request holds, prompt and new ones); the engine refuses any other
+    request when it is submitted."""
 
     def place(self, xp: Any, device: Any) -> Any:
         """The weights as arrays of namespace ``xp`` on ``device``."""
@@ -33,6 +35,7 @@ class LlamaModel:
 
     def __init__(self, config: llama.Config, params: Any):
         self.config, self.params = config, params
+        self.vocab, self.context = config.vocab, config.context
 
     def place(self, xp: Any, device: Any) -> Any:
         return llama.convert(self.params, xp=xp, device=device)
@@ -55,6 +58,7 @@ class ShardedModel:
 
     def __init__(self, config: llama.Config, params: Any, group: Any):
         self.config, self.params, self.group = config, params, group
+        self.vocab, self.context = config.vocab, config.context
         self.local = config  # one rank's config, once placed
         self._forward = group.map(self._share)
 

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Request", "Result", "read_requests"]
+__all__ = ["Line", "Request", "Result", "read_requests"]
+
+
+_LARGEST = (1 << 63) - 1  # token ids are int64 on their way to the model
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """Generate up to ``max_new_tokens`` greedy tokens after ``prompt`` (token ids), stopping
     after a token of ``stop`` (kept). ``arrival`` is when the engine may first see it (its
-    clock's unit: seconds, or steps)."""
+    clock's unit: seconds, or steps).
+
+    Raises ``TypeError`` naming the request for a field of the wrong type (a token id that is
+    no integer, a bool included; a float ``max_new_tokens``; an ``arrival`` that is no
+    number; a ``stop`` that is no collection of ids), and ``ValueError`` for a value out of
+    range (an empty prompt, a negative id or one past int64, ``max_new_tokens`` below 1, an
+    arrival that is negative or not finite). Nothing is truncated or clamped."""
 
     id: Any
     prompt: tuple[int, ...]
@@ -27,23 +37,59 @@ class Request:
     stop: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        where = f"cacheidx.serve.Request {self.id!r}"
         try:
-            prompt = tuple(operator.index(t) for t in self.prompt)
+            fields = checked(self.prompt, self.max_new_tokens, self.arrival, self.stop)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cacheidx.serve.Request {self.id!r}: {e}") from None
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+
+def checked(prompt: Any, max_new_tokens: Any, arrival: Any, stop: Any) -> dict:
+    """A request's fields as :class:`Request` keeps them; ``TypeError`` or ``ValueError``
+    saying which field is wrong and how (the caller names the request)."""
+    return {"prompt": _ids("the prompt", prompt, least=1),
+            "max_new_tokens": _count("max_new_tokens", max_new_tokens),
+            "arrival": _time(arrival), "stop": frozenset(_ids("stop", stop))}
+
+
+def _ids(what: str, ids: Any, least: int = 0) -> tuple[int, ...]:
+    if isinstance(ids, str | bytes | dict) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{what} must be a collection of integer token ids, got {ids!r:.80}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool | np.bool_):  # True is no token id, though Python counts it 1
+            raise TypeError(f"{what} holds {t!r}, not an integer token id")
+        try:
+            t = operator.index(t)
         except TypeError:
-            raise TypeError(f"{where}: the prompt must hold integer token ids, got "
-                            f"{self.prompt!r:.80}") from None
-        if not prompt:
-            raise ValueError(f"{where}: the prompt is empty")
-        if min(prompt) < 0:
-            raise ValueError(f"{where}: a token id is negative: {min(prompt)}")
-        object.__setattr__(self, "prompt", prompt)
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{where}: max_new_tokens must be a positive integer, got {n!r}")
-        object.__setattr__(self, "max_new_tokens", int(n))
-        object.__setattr__(self, "stop", frozenset(int(t) for t in self.stop))
-        object.__setattr__(self, "arrival", float(self.arrival))
+            raise TypeError(f"{what} must hold integer token ids, got {t!r:.40}") from None
+        if not 0 <= t <= _LARGEST:
+            raise ValueError(f"{what} holds token id {t}, outside 0 to 2**63 - 1")
+        out.append(t)
+    if len(out) < least:
+        raise ValueError(f"{what} is empty")
+    return tuple(out)
+
+
+def _count(name: str, n: Any) -> int:
+    if isinstance(n, bool | np.bool_) or not isinstance(n, int | np.integer):
+        raise TypeError(f"{name} must be a positive integer, got {n!r:.40}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return int(n)
+
+
+def _time(t: Any) -> float:
+    if isinstance(t, bool | np.bool_) or not isinstance(t, int | float | np.integer | np.floating):
+        raise TypeError(f"arrival must be a number, got {t!r:.40}")
+    try:
+        t = float(t)
+    except OverflowError:  # an int past a float's range
+        t = math.inf
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"arrival must be a finite number at or after 0, got {t!r}")
+    return t
 
 
 @dataclasses.dataclass
@@ -75,28 +121,77 @@ class Result:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One request line of a file: its ``number`` (from 1) and the ``request`` it holds, or
+    the ``error`` that makes it none. ``id`` is the line's ``"id"``, or its number."""
+
+    number: int
+    id: Any
+    request: Request | None = None
+    error: str | None = None
+
+
 def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[int]], *,
-                  max_new_tokens: int, stop: Iterable[int] = (), where: str = "requests"
-                  ) -> list[Request]:
-    """Requests from JSON lines ``{"id": ..., "messages": [{"role", "content"}, ...]}``, with
-    an optional ``"arrival"`` (seconds) and ``"max_new_tokens"``; ``template`` turns the
-    messages into prompt ids (the model's chat template). Blank lines are skipped. Raises
-    ``ValueError`` naming the line that is not such an object."""
+                  max_new_tokens: int, stop: Iterable[int] = (), latest: float | None = None
+                  ) -> list[Line]:
+    """Requests from JSON lines ``{"id": ..., "messages": [{"role": ..., "content": ...},
+    ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, with an optional ``"arrival"`` (seconds,
+    at most ``latest`` where given) and ``"max_new_tokens"``; ``template`` turns the messages
+    into prompt ids (the model's chat template). Blank lines are skipped.
+
+    Each other line gives a :class:`Line`: its request, or why it is none (not JSON, not an
+    object, a field of the wrong type or out of range, a template that failed), so that one
+    bad line fails alone."""
+    stop = frozenset(stop)
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for n, text in enumerate(lines, 1):
+        if not text.strip():
             continue
         try:
-            item = json.loads(line)
+            item = json.loads(text)
         except ValueError as e:
-            raise ValueError(f"cacheidx.serve: {where} line {n} is not JSON: {e}") from None
-        messages = item.get("messages") if isinstance(item, dict) else None
-        if (not isinstance(messages, list) or not messages
-                or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                           for m in messages)):
-            raise ValueError(f"cacheidx.serve: {where} line {n} needs \"messages\": a list of "
-                             f"{{\"role\": ..., \"content\": ...}}, got {line.strip()[:80]!r}")
-        out.append(Request(id=item.get("id", n), prompt=tuple(template(messages)),
-                           max_new_tokens=int(item.get("max_new_tokens", max_new_tokens)),
-                           arrival=float(item.get("arrival", 0.0)), stop=frozenset(stop)))
+            out.append(Line(n, n, error=f"not JSON ({getattr(e, 'msg', e)} at column "
+                                        f"{getattr(e, 'colno', '?')})"))
+            continue
+        if not isinstance(item, dict):
+            out.append(Line(n, n, error=f"not a JSON object: {text.strip()[:60]}"))
+            continue
+        rid = item.get("id", n)
+        try:
+            prompt = _prompt(item, template)
+            fields = checked(prompt, item.get("max_new_tokens", max_new_tokens),
+                             item.get("arrival", 0.0), stop)
+            if latest is not None and fields["arrival"] > latest:
+                raise ValueError(f"arrival must be at most {latest:g} seconds, got "
+                                 f"{fields['arrival']:g}")
+        except (TypeError, ValueError) as e:
+            out.append(Line(n, rid, error=str(e)))
+            continue
+        out.append(Line(n, rid, Request(rid, **fields)))
     return out
+
+
+def _prompt(item: dict, template: Callable[[list[dict]], list[int]]) -> Any:
+    """The prompt ids of a request line: its ``"prompt_ids"``, or its ``"messages"`` under
+    the chat template (checked first: a template given a number for text fails obscurely)."""
+    if ("messages" in item) == ("prompt_ids" in item):
+        raise ValueError('a request needs "messages" or "prompt_ids" (one of them)')
+    if "prompt_ids" in item:
+        return item["prompt_ids"]
+    messages = item["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise TypeError(f'"messages" must be a non-empty list of {{"role": ..., "content": '
+                        f'...}}, got {json.dumps(messages)[:60]}')
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
+            raise TypeError(f'message {k} must be {{"role": ..., "content": ...}}, got '
+                            f'{json.dumps(m)[:60]}')
+        for field in ("role", "content"):
+            if not isinstance(m[field], str):
+                raise TypeError(f'message {k}\'s "{field}" must be a string, got '
+                                f'{json.dumps(m[field])[:60]}')
+    try:
+        return template(messages)
+    except Exception as e:  # the template's own failure, whatever its library raises
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None

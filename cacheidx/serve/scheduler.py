@@ -7,8 +7,9 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 1. A request is admitted, oldest first, while a row of the table is free and the cache can
    give it pages for its prompt and ``max_new_tokens - 1`` more positions (the last token is
    never fed back); it reads its cached prefix and computes the rest. A request that the
-   whole pool could not hold, or longer than ``context`` tokens where that is given, fails
-   at once, with the reason in its result.
+   whole pool could not hold, longer than ``context`` tokens where that is given or than
+   the model's ``longest``, or holding a token id at or past the model's ``vocab``, fails at
+   once, with the reason in its result.
 2. With the cache on, a request waits while a request still computing its prompt will
    cache pages it could read (more whole pages in common than the cache holds now): a
    prefix is computed once, then read, however the requests arrive.
@@ -18,7 +19,8 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
    of the request in row ``r``: page ``k`` holds its positions ``k*P`` to ``k*P + P - 1``.
 4. A request's prompt pages are cached once its prompt is computed; when it finishes (a stop
    token, or ``max_new_tokens``) the pages it filled while decoding are cached too and its
-   hold is released, its row cleared.
+   hold is released, its row cleared. A request that fails while running (:meth:`fail`)
+   caches nothing more: its hold is released, its row cleared, its error in its result.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class Batch:
     columns: int
     follows: bool = False
 
+    def alone(self, b: int) -> Batch:
+        """The call of lane ``b`` alone, fed from the host."""
+        pos = self.pos[b : b + 1]
+        return Batch(self.kind, (self.lanes[b],), self.rows[b : b + 1], pos,
+                     self.tokens[b : b + 1], int(pos.max()) + 1)
+
 
 class Scheduler:
     """Admission, calls and bookkeeping over ``cache`` for at most ``lanes`` requests at once
@@ -78,12 +86,14 @@ class Scheduler:
     is computed whole."""
 
     def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
-                 context: int | None = None):
+                 context: int | None = None, vocab: int | None = None,
+                 longest: int | None = None):
         if lanes < 1 or chunk < 1 or (context is not None and context < 1):
             raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
                              f"positive, got {lanes}, {chunk} and {context}")
         self.cache, self.lanes, self.chunk, self.reuse = cache, lanes, chunk, reuse
         self.context = context
+        self.vocab, self.longest = vocab, longest  #: the model's limits, where it says them
         self.P = cache.page_size
         #: [lanes, width] slots of each row's positions, -1 where none: a power of two of
         #: pages, as wide as ``context`` from the start where given, else doubled as needed
@@ -107,19 +117,32 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- law 1: submission and admission ------------------------------------------------------
-    def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
-        """Queues ``request``; returns its failed result at once if the pool cannot hold it."""
-        result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket)
+    def refusal(self, request: Request) -> str | None:
+        """Why this engine can never serve ``request`` (law 1), or ``None``."""
         total = len(request.prompt) + request.max_new_tokens - 1
         need = self.cache.pages_for(total)
         what = (f"({len(request.prompt)} prompt tokens and up to {request.max_new_tokens} new "
                 f"ones)")
+        if self.vocab is not None and max(request.prompt) >= self.vocab:
+            at = next(k for k, t in enumerate(request.prompt) if t >= self.vocab)
+            return (f"request {request.id!r} holds token id {request.prompt[at]} at prompt "
+                    f"position {at}; the model's vocabulary is ids 0 to {self.vocab - 1}")
         if need > self.cache.capacity:
-            result.error = (f"request {request.id!r} needs {need} pages of {self.P} tokens "
-                            f"{what}; the pool has {self.cache.capacity}")
-        elif self.context is not None and total > self.context:
-            result.error = (f"request {request.id!r} holds {total} tokens {what}; the engine's "
-                            f"context is {self.context}")
+            return (f"request {request.id!r} needs {need} pages of {self.P} tokens {what}; the "
+                    f"pool has {self.cache.capacity}")
+        if self.context is not None and total > self.context:
+            return (f"request {request.id!r} holds {total} tokens {what}; the engine's context "
+                    f"is {self.context}")
+        if self.longest is not None and total > self.longest:
+            return (f"request {request.id!r} holds {total} tokens {what}; the model's context "
+                    f"is {self.longest}")
+        return None
+
+    def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
+        """Queues ``request``; returns its failed result at once if the engine can never
+        serve it (:meth:`refusal`)."""
+        result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket)
+        result.error = self.refusal(request)
         if result.error is not None:
             result.finished = now
             self.failed += 1
@@ -251,6 +274,20 @@ class Scheduler:
                 finished.append(self._finish(lane, now))
         return finished
 
+    def fail(self, lane: Lane, error: str, now: float) -> Result:
+        """Law 4: the running request of ``lane`` fails with ``error``: what its last call
+        wrote is cached for no one, its hold is released, its row cleared. Returns its
+        result."""
+        self.cache.release(lane.hold)
+        self._clear(lane, now)
+        lane.result.error = error
+        self.failed += 1
+        return lane.result
+
+    def fed_from_host(self) -> None:
+        """The next decode call is fed from the host, never from a call that may have failed."""
+        self._last_decode = ()
+
     def _used(self) -> None:
         self.peak_used = max(self.peak_used, self.cache.capacity - self.cache.free)
 
@@ -259,14 +296,18 @@ class Scheduler:
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
             self.cache.insert(lane.hold, written)
         self.cache.release(lane.hold)
+        self._clear(lane, now)
+        self.served += 1
+        return lane.result
+
+    def _clear(self, lane: Lane, now: float) -> None:
+        """The lane's request stops running: its row is free again."""
         self._used()
         self.running.remove(lane)
         self.table[lane.row] = -1
         self.version += 1
         self._rows.append(lane.row)
         lane.result.finished = now
-        self.served += 1
-        return lane.result
 
     def figures(self) -> dict:
         """Tokens and pages so far."""

@@ -22,6 +22,8 @@ Laws of :class:`Step`:
    replayed CUDA graph needs; elsewhere it costs one small copy.
 4. A decode call returns each lane's next token and ``index.advance()``'s positions; the next
    call over the same lanes is fed those, device to device, without the host.
+5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
+   reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
 """
 
 from __future__ import annotations
@@ -30,24 +32,21 @@ import dataclasses
 import weakref
 from typing import Any
 
-import array_api_compat as compat
 import numpy as np
 
 import cacheidx as ci
 
 from .. import devices
+from ..devices import to_host
 from ..models.llama import tree_map
 from .scheduler import Batch
 
-__all__ = ["Step", "buckets", "to_host"]
+__all__ = ["Step", "TableError", "buckets", "to_host"]
 
 
-def to_host(x: Any) -> np.ndarray:
-    """A small array of any backend as NumPy."""
-    try:
-        return np.asarray(x)
-    except (TypeError, RuntimeError):  # device memory that will not convert implicitly
-        return np.asarray(compat.to_device(x, "cpu"))
+class TableError(RuntimeError):
+    """A call of the engine breaks an obligation of the table (:func:`cacheidx.check`): the
+    scheduler's bug, raised out of the engine rather than charged to a request."""
 
 
 def _power(n: int) -> int:
@@ -80,7 +79,7 @@ class Step:
 
     def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
                  compile: bool = False, slots: int, lanes: int, chunk: int, page_size: int,
-                 keep_logits: bool = False, shapes: str | None = None):
+                 keep_logits: bool = False, shapes: str | None = None, debug: bool = False):
         shapes = shapes or ("buckets" if compile else "exact")
         if shapes not in ("exact", "buckets", "fixed"):
             raise ValueError(f"cacheidx.serve.Step: shapes must be 'exact', 'buckets' or "
@@ -93,7 +92,7 @@ class Step:
         self._host = getattr(model, "host", None) or to_host
         self.compiled = bool(compile)
         self.lanes, self.chunk, self.P, self.shapes_of = lanes, chunk, page_size, shapes
-        self.keep_logits = keep_logits
+        self.keep_logits, self.debug = keep_logits, bool(debug)
         info = getattr(self.xp, "__array_namespace_info__", None)
         self.int = info().default_dtypes()["integral"] if info else self.xp.int64
         self.model = model
@@ -153,6 +152,12 @@ class Step:
         index = ci.make(self._put("pos", pos, fed and fed.pos),
                         self._table_of(table, columns, version),
                         row=self._put("row", rows))
+        if self.debug:  # law 5
+            try:
+                ci.check(index)
+            except ValueError as e:
+                raise TableError(f"cacheidx.serve.Step: the {batch.kind} call breaks an "
+                                 f"obligation of the table: {e}") from None
         tokens_in = self._put("tokens", tokens, fed and fed.tokens)
         self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":

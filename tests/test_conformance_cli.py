@@ -1,0 +1,56 @@
+"""``python -m cacheidx.conformance``'s bad usage: each exits 2 naming the option before any law
+runs, and a report that cannot be written at the end is printed rather than lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from cacheidx.conformance import __main__ as cli
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--json", "/no/such/dir/r.json"], "argument --json: the folder /no/such/dir does not exist"),
+    (["--jobs", "-1"], "argument --jobs: expected a positive integer, got -1"),
+    (["--jobs", "0"], "argument --jobs: expected a positive integer, got 0"),
+    (["--backend", "nosuch"], "argument --backend: no backend named 'nosuch'; registered: numpy"),
+])
+def test_bad_usage_exits_2_before_any_law_runs(argv, words, capsys, monkeypatch):
+    """Issue 20, repro 5: --json into a missing folder once ran the whole suite and lost the
+    report in a traceback; --jobs -1 never returned; an unknown backend was 'broken', status 1."""
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("the suite ran"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_backend_without_the_mode_asked_for_is_skipped_not_failed(capsys):
+    assert cli.main(["--backend", "numpy", "--mode", "compiled", "--jobs", "1"]) == 1
+    out = capsys.readouterr()
+    assert "skipped: numpy has no compiled mode (it has eager)" in out.out
+    assert "FAIL" not in out.out and "no backend ran" in out.err
+
+
+def test_a_report_that_cannot_be_written_at_the_end_is_printed(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+
+    def run(*args, **kwargs):  # the folder goes away while the suite runs
+        shutil.rmtree(folder)
+        return [{"backend": "numpy", "device": "cpu", "status": "pass", "laws": {"a": "pass"}}]
+
+    monkeypatch.setattr(cli, "run", run)
+    monkeypatch.setattr(cli, "table", lambda report: "the table")
+    assert cli.main(["--json", str(folder / "r.json")]) == 2
+    out = capsys.readouterr()
+    assert "cannot write" in out.err and "the report follows" in out.err
+    assert json.loads(out.out.split("the table", 1)[1])["report"][0]["status"] == "pass"
+
+
+def test_the_help_states_the_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "Exit status: 0 every law passed, 1 some law failed or no backend ran, 2 bad usage" \
+        in " ".join(capsys.readouterr().out.split())
