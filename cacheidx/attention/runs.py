@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..backends.base import inside
+from ..devices import to_host as host
 from .softmax import Online
 
 __all__ = ["runs"]
@@ -48,16 +49,6 @@ class _Lane(NamedTuple):
 
     index: Any
     blocks: list[tuple[int, int, list[_Piece]]]
-
-
-def host(x: Any) -> np.ndarray:
-    """A small array of any library as NumPy."""
-    try:
-        return np.asarray(x)
-    except (TypeError, RuntimeError, ValueError):
-        from array_api_compat import to_device
-
-        return np.asarray(to_device(x, "cpu"))
 
 
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
