@@ -39,10 +39,9 @@ import math
 from typing import Any, NamedTuple
 
 from .. import _check as check
+from . import runs, tiles
 from .paths import fast
-from .runs import runs
 from .softmax import Online, reference
-from .tiles import tiles
 
 __all__ = ["Call", "attend", "reference", "standard", "stored", "tile_size"]
 
@@ -64,8 +63,15 @@ class Call(NamedTuple):
     scale: float
     softcap: float | None
     sinks: Any
-    tile: int
+    tile: int | None  #: columns a tile reads as the caller asked, None: each path chooses
     donate: bool = False
+
+    @property
+    def columns(self) -> int:
+        """Columns a gathered tile reads: the caller's ``tile``, else :func:`tile_size`'s."""
+        if self.tile is not None:
+            return self.tile
+        return tile_size(self.index.batch, self.index.seq, int(self.q.shape[2]))
 
     @property
     def layout(self) -> str:
@@ -92,7 +98,7 @@ def attend(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
     if got is not None:
         return got
     call = stored(call)
-    out = runs(call, SCORES)
+    out = runs.read(call, SCORES)
     return (standard(call) if out is None else out), call.kpool, call.vpool
 
 
@@ -112,7 +118,7 @@ def standard(call: Call) -> Any:
     index, q = call.index, call.q
     state = Online.start(index.xp, q, call.layout, int(call.vpool.shape[-1]),
                          int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap)
-    for t in tiles(index, call.k, call.v, call.kpool, call.vpool, call.tile):
+    for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.columns):
         state.add(*t)
     return state.result(call.sinks)
 
@@ -131,7 +137,7 @@ def _number(name: str, x: Any, *, positive: bool) -> float:
 
 
 def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: Any,
-           softcap: Any, sinks: Any, tile: Any) -> tuple[float, float | None, int]:
+           softcap: Any, sinks: Any, tile: Any) -> tuple[float, float | None, int | None]:
     """The call's arguments, checked: every bad one raises naming ``cacheidx.attend``."""
     backend, xp = index.backend, index.xp
     for name, x in (("q", q), ("k", k), ("v", v), ("kpool", kpool), ("vpool", vpool)):
@@ -169,8 +175,6 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
                             f"{sinks.dtype}")
     scale = 1.0 / math.sqrt(d) if scale is None else _number("scale", scale, positive=False)
     softcap = None if softcap is None else _number("softcap", softcap, positive=True)
-    if tile is None:
-        tile = tile_size(index.batch, index.seq, heads)
-    else:
+    if tile is not None:
         tile = check.integer("attend", "tile", tile, least=1)
     return scale, softcap, tile

@@ -8,7 +8,8 @@ The host finds the runs once per index (it keeps them for every layer, as it kee
 plans) from the index's tensors; a traced call has no values to look at and never comes here.
 
 Each lane then attends on its own, its queries in blocks of :data:`ROWS` and each run in tiles
-whose scores stay within :data:`~cacheidx.attention.SCORES`; a tile no query of the block sees
+of the caller's ``tile`` columns, or (a view costing no copy) as wide as keeps their scores
+within :data:`~cacheidx.attention.SCORES`; a tile no query of the block sees
 is skipped (the causal half of a prefill, the columns below a window) and one every query sees
 in full is weighed without a mask. The law is the same as the tiles': the mask of a block is
 the lane's own index's ``mask`` (a one-lane index cut from the call's), so a tile holds what
@@ -26,7 +27,7 @@ from ..backends.base import inside
 from ..devices import to_host as host
 from .softmax import Online
 
-__all__ = ["runs"]
+__all__ = ["read"]
 
 #: queries a block holds: a long prefill's scores stay within bounds with wide column tiles
 ROWS = 256
@@ -55,7 +56,7 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + size)) for a in range(0, n, size)]
 
 
-def _plan(index: Any, n: int, scores: int, heads: int) -> list[_Lane] | None:
+def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list[_Lane] | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, or ``None`` where some lane's
     seen columns are not a few runs of slots inside the pool."""
     table = host(index._lane_table)
@@ -75,7 +76,7 @@ def _plan(index: Any, n: int, scores: int, heads: int) -> list[_Lane] | None:
         blocks = []
         for i0, i1 in _spans(index.seq, ROWS):
             part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
-            width = max(16, scores // ((i1 - i0) * heads))
+            width = tile or max(16, scores // ((i1 - i0) * heads))
             pieces = []
             for a, e in zip(starts, ends):
                 c_first = int(cols[a])
@@ -99,7 +100,7 @@ def _one_lane(index: Any, b: int) -> Any:
     return dataclasses.replace(index, pos=index.pos[b:b + 1, :], table=table, blocks=blocks)
 
 
-def runs(call: Any, scores: int) -> Any | None:
+def read(call: Any, scores: int) -> Any | None:
     """``call``'s output read through views of runs of slots, or ``None`` where the call is
     traced, selects columns, is a draft or whole, or some lane's slots are not a few runs."""
     index = call.index
@@ -111,8 +112,8 @@ def runs(call: Any, scores: int) -> Any | None:
     if int(vpool.shape[0]) != n:
         return None
     heads = int(q.shape[2])
-    lanes = index._memo(("attend runs", n, scores, heads),
-                        lambda: _plan(index, n, scores, heads) or ())
+    lanes = index._memo(("attend runs", n, scores, heads, call.tile),
+                        lambda: _plan(index, n, scores, heads, call.tile) or ())
     if not lanes:
         return None
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from ..backends.base import inside
 
-__all__ = ["Tile", "tiles"]
+__all__ = ["Tile", "read"]
 
 
 class Tile(NamedTuple):
@@ -40,7 +40,7 @@ class _Plan(NamedTuple):
     full: bool  #: every token sees every column (always False when traced)
 
 
-def tiles(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
+def read(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
     """The tiles of ``size`` columns of a call through ``index`` whose keys and values are
     ``k`` and ``v`` and whose pools (after its stores) are ``kpool`` and ``vpool``."""
     if index.kind != "tabled":
@@ -58,7 +58,7 @@ def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
         yield c0, min(width, c0 + size)
 
 
-def _read(index: Any, pool: Any, plan: _Plan) -> Any:
+def _rows(index: Any, pool: Any, plan: _Plan) -> Any:
     got = index.backend.read(pool, plan.read)
     return index.xp.reshape(got, (*plan.shape, *pool.shape[1:]))
 
@@ -102,7 +102,7 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
         k_plan, v_plan = _plans(index, ("attend", c0, c1), (kpool, vpool), make)
         if k_plan.live:
-            yield Tile(_read(index, kpool, k_plan), _read(index, vpool, v_plan),
+            yield Tile(_rows(index, kpool, k_plan), _rows(index, vpool, v_plan),
                        None if k_plan.full else mask())
 
 
@@ -127,7 +127,7 @@ def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
         k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make)
         if k_plan.live:
-            yield Tile(_read(index, kpool, k_plan), _read(index, vpool, v_plan),
+            yield Tile(_rows(index, kpool, k_plan), _rows(index, vpool, v_plan),
                        None if k_plan.full else seen)
 
 

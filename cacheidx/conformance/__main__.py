@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             print(json.dumps(full, indent=2, default=str))
             return 2
+    if failed:
+        return 1
     if not any(e["status"] == "pass" for e in report):
         print("no backend ran", file=sys.stderr)
         return 1
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":
