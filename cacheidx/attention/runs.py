@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import backends
 from ..backends.base import inside
 from ..devices import to_host as host
 from .softmax import Online
@@ -58,9 +59,10 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
 
 def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list[_Lane] | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, or ``None`` where some lane's
-    seen columns are not a few runs of slots inside the pool."""
-    table = host(index._lane_table)
-    some = host(index._some_token_sees())
+    seen columns are not a few runs of slots inside the pool. Worked out on the host, on a
+    NumPy copy of the index: the laws' own helpers, with no device round trip per piece."""
+    on_host = _host_index(index)
+    table, some = on_host._lane_table, on_host._some_token_sees()
     lanes = []
     for b in range(index.batch):
         cols = np.flatnonzero(some[b])
@@ -72,7 +74,7 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list
         if starts.size > MOST_RUNS:
             return None
         ends = np.concatenate([breaks, [cols.size]]).astype(int)
-        one = _one_lane(index, b)
+        one = _one_lane(on_host, b)
         blocks = []
         for i0, i1 in _spans(index.seq, ROWS):
             part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
@@ -82,12 +84,20 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list
                 c_first = int(cols[a])
                 for p0, p1 in _spans(int(e - a), width):
                     c0, c1 = c_first + p0, c_first + p1
-                    seen = host(part._sees_columns(part._arange(c1 - c0)[None, None, :] + c0))
+                    seen = part._sees_columns(np.arange(c0, c1)[None, None, :])
                     if seen.any():
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
             blocks.append((i0, i1, pieces))
-        lanes.append(_Lane(one, blocks))
+        lanes.append(_Lane(_one_lane(index, b), blocks))
     return lanes
+
+
+def _host_index(index: Any) -> Any:
+    """``index`` with its tensors copied to NumPy."""
+    from ..index import _flatten, _unflatten  # the index imports this package
+
+    leaves, (structure, _) = _flatten(index)
+    return _unflatten((structure, backends.get("numpy")), [host(t) for t in leaves])
 
 
 def _one_lane(index: Any, b: int) -> Any:

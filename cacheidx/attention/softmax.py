@@ -95,42 +95,37 @@ def reference(q: Any, seen_k: Any, seen_v: Any, mask: Any, *, scale: float | Non
 @dataclasses.dataclass
 class Online:
     """The running state of one call's online softmax: queries prepared for ``layout``, and
-    per query ``m`` (the largest score so far, ``-inf`` before any), ``l`` and ``acc``.
+    per query ``m`` (the largest score so far), ``l`` and ``acc``, all ``None`` until a tile
+    comes (the first tile then needs no rescaling, and a decode's one tile is a plain softmax).
 
-    ``Online.start(xp, q, layout, dv)`` begins; ``add(keys, values, mask)`` folds in one tile;
-    ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype."""
+    ``Online.start(xp, q, layout, dv, kv)`` begins; ``add(keys, values, mask)`` folds in one
+    tile; ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype."""
 
     xp: Any
     layout: str
-    shape: tuple[int, int, int, int]  #: (batch, seq, heads, d) of the queries
+    shape: tuple[int, int, int, int]  #: (batch, seq, heads, dv) of the output
     q: Any  #: the queries, grouped for the layout, in the work dtype, scale applied
     softcap: float | None
-    m: Any
-    l: Any
-    acc: Any
     out_dtype: Any
+    m: Any = None
+    l: Any = None
+    acc: Any = None
 
     @classmethod
     def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
               softcap: float | None) -> Online:
         b, s, heads, d = q.shape
         g = heads // kv
-        dt = work_dtype(xp, q.dtype)
-        qg = xp.reshape(xp.astype(q, dt), (b, s, kv, g, d)) * scale
+        qg = xp.reshape(xp.astype(q, work_dtype(xp, q.dtype), copy=False), (b, s, kv, g, d))
+        qg = qg * scale
         if layout == "lane":  # [b, kv, g * s, d]
             qg = xp.reshape(xp.permute_dims(qg, (0, 2, 3, 1, 4)), (b, kv, g * s, d))
-            rows = (b, kv, g, s)
-        else:
-            rows = (b, s, kv, g)
-        m = xp.full((*rows, 1), -xp.inf, dtype=dt, device=_device(q))
-        zero = xp.zeros((*rows, 1), dtype=dt, device=_device(q))
-        acc = xp.zeros((*rows, dv), dtype=dt, device=_device(q))
-        return cls(xp, layout, (b, s, heads, d), qg, softcap, m, zero, acc, q.dtype)
+        return cls(xp, layout, (b, s, heads, dv), qg, softcap, q.dtype)
 
     def scores(self, keys: Any) -> Any:
         """``cap(scale * q . k)`` of every query against one tile's keys, in the layout."""
         xp, (b, s, heads, _) = self.xp, self.shape
-        keys = xp.astype(keys, self.q.dtype)
+        keys = xp.astype(keys, self.q.dtype, copy=False)
         if self.layout == "lane":
             kv, t = keys.shape[2], keys.shape[1]
             z = xp.reshape(self.q @ xp.permute_dims(keys, (0, 2, 3, 1)),
@@ -147,13 +142,20 @@ class Online:
         if mask is not None:
             gate = mask[:, None, None, :, :] if self.layout == "lane" else mask[:, :, None, None, :]
             z = xp.where(gate, z, -xp.inf)
-        top = xp.maximum(self.m, xp.max(z, axis=-1, keepdims=True))
+        top = xp.max(z, axis=-1, keepdims=True)
+        if self.m is not None:
+            top = xp.maximum(self.m, top)
         # a query that has seen nothing yet keeps -inf; exp(-inf - 0) is exactly 0
-        base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
+        base = top if mask is None and self.m is None else xp.where(
+            top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
         p = xp.exp(z - base)
-        fade = xp.exp(self.m - base)
-        self.l = self.l * fade + xp.sum(p, axis=-1, keepdims=True)
-        self.acc = self.acc * fade + self._weigh(p, xp.astype(values, p.dtype))
+        total = xp.sum(p, axis=-1, keepdims=True)
+        weighed = self._weigh(p, xp.astype(values, p.dtype, copy=False))
+        if self.m is None:
+            self.l, self.acc = total, weighed
+        else:
+            fade = xp.exp(self.m - base)
+            self.l, self.acc = self.l * fade + total, self.acc * fade + weighed
         self.m = top
 
     def _weigh(self, p: Any, values: Any) -> Any:
@@ -166,8 +168,10 @@ class Online:
 
     def result(self, sinks: Any = None) -> Any:
         """``acc / l`` as ``[batch, seq, heads, dv]``, with the sinks' column folded in; zero
-        for a query that saw nothing."""
-        xp, (b, s, heads, _) = self.xp, self.shape
+        for a query that saw nothing (and for every query when no tile came)."""
+        xp, (b, s, heads, dv) = self.xp, self.shape
+        if self.m is None:
+            return xp.zeros((b, s, heads, dv), dtype=self.out_dtype, device=_device(self.q))
         m, l, acc = self.m, self.l, self.acc
         if sinks is not None:
             kv = acc.shape[1] if self.layout == "lane" else acc.shape[2]
@@ -181,7 +185,7 @@ class Online:
         out = acc / xp.where(l > 0, l, xp.ones((), dtype=l.dtype))
         if self.layout == "lane":
             out = xp.permute_dims(out, (0, 3, 1, 2, 4))
-        return xp.astype(xp.reshape(out, (b, s, heads, out.shape[-1])), self.out_dtype)
+        return xp.astype(xp.reshape(out, (b, s, heads, dv)), self.out_dtype, copy=False)
 
 
 def _device(x: Any) -> Any:

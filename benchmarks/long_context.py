@@ -1,0 +1,392 @@
+"""Long-context decode: tokens per second of a batch of 8 lanes whose caches hold 1k, 4k or
+16k tokens, cacheidx's attention over the pools in place beside transformers' static and
+dynamic caches, on one model; and the peak memory of a one-layer prefill of 4k to 16k tokens.
+
+The model is SmolLM2-135M's shape cut to 2 layers with a 4,096-token vocabulary (random weights,
+one transformers ``LlamaForCausalLM`` and the same weights as ``cacheidx.models.llama``
+params), or with ``--smollm2`` the real SmolLM2-135M-Instruct from its GGUF file. Every engine
+starts from the same cache: each lane's ``L`` keys and values, random, written once into
+cacheidx's pools (``ci.rows``, one run of slots per lane) and into transformers' caches, so no
+engine computes a prefill and all of them decode the same tokens (checked). A decode step is one
+forward of one token per lane and its argmax; the rate is 8 lanes over the median step of
+``--steps``, and the spread is the fastest and slowest step. transformers runs its model's
+forward in a plain loop (no ``generate`` around it, which only adds to its time), SDPA
+attention, ``torch.inference_mode``. Everything runs on one thread.
+
+The floor is the bytes a step must read, the weights and the cache it attends over, divided by
+this machine's memory bandwidth (a one-thread sum over 400 MB): the time no engine can beat.
+
+    python benchmarks/long_context.py [--json PATH] [--quick] [--contexts 1024 4096 ...]
+                                      [--steps N] [--smollm2] [--engines NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_cpu_multi_thread_eigen=false").strip()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cacheidx
+
+import numpy as np  # noqa: E402
+
+BATCH = 8
+ENGINES = ["transformers static", "transformers dynamic", "cacheidx torch",
+           "cacheidx torch compiled", "cacheidx jax jit", "cacheidx numpy"]
+
+
+def say(msg: str) -> None:
+    print(f"    {msg}", flush=True)  # indented: run_all.py keeps only the tables
+
+
+# -- the model, on both sides ---------------------------------------------------------------
+def shaped_model(layers: int = 2, vocab: int = 4096, seed: int = 0):
+    """transformers' Llama of SmolLM2-135M's shape (2 layers, a small vocabulary), random."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=32768,
+                         initializer_range=0.05)
+    return LlamaForCausalLM(config).eval()
+
+
+def ours(model):
+    """``(Config, params)`` of cacheidx's Llama holding the transformers model's weights."""
+    from cacheidx.models import llama
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    layer = "model.layers.{}.".format
+    params = {
+        "embed": sd["model.embed_tokens.weight"],
+        "norm": sd["model.norm.weight"],
+        "layers": [{
+            "attn_norm": sd[layer(i) + "input_layernorm.weight"],
+            "wq": sd[layer(i) + "self_attn.q_proj.weight"].T.copy(),
+            "wk": sd[layer(i) + "self_attn.k_proj.weight"].T.copy(),
+            "wv": sd[layer(i) + "self_attn.v_proj.weight"].T.copy(),
+            "wo": sd[layer(i) + "self_attn.o_proj.weight"].T.copy(),
+            "ffn_norm": sd[layer(i) + "post_attention_layernorm.weight"],
+            "w_gate": sd[layer(i) + "mlp.gate_proj.weight"].T.copy(),
+            "w_up": sd[layer(i) + "mlp.up_proj.weight"].T.copy(),
+            "w_down": sd[layer(i) + "mlp.down_proj.weight"].T.copy(),
+        } for i in range(c.num_hidden_layers)],
+    }
+    tied = bool(c.tie_word_embeddings)
+    if not tied:
+        params["out"] = sd["lm_head.weight"].T.copy()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    config = llama.Config(vocab=c.vocab_size, dim=c.hidden_size, layers=c.num_hidden_layers,
+                          heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                          hidden=c.intermediate_size, head_dim=head_dim,
+                          rope_base=float(getattr(c, "rope_theta", None)
+                                          or c.rope_parameters["rope_theta"]),
+                          eps=c.rms_norm_eps, tied=tied)
+    return config, params
+
+
+def weight_bytes(params) -> int:
+    from cacheidx.models import llama
+
+    sizes = []
+    llama.tree_map(lambda a: sizes.append(a.nbytes), params)
+    return sum(sizes)
+
+
+# -- one cache for every engine ---------------------------------------------------------------
+def cache(config, context: int, room: int, seed: int = 1):
+    """Each layer's keys and values of ``context`` tokens per lane, ``[batch, context, kv,
+    dim]``, random (the scale of real ones), and the first token of each lane."""
+    rng = np.random.default_rng(seed)
+    shape = (BATCH, context, config.kv_heads, config.head_dim)
+    layers = [(rng.standard_normal(shape, dtype=np.float32),
+               rng.standard_normal(shape, dtype=np.float32)) for _ in range(config.layers)]
+    first = rng.integers(0, config.vocab, BATCH)
+    return layers, first
+
+
+def timed_steps(step, steps: int) -> tuple[list[int], list[float]]:
+    """Run ``step()`` (one decode step: the chosen tokens) ``steps`` times after one to warm
+    up; the tokens of every step and the seconds of each timed one."""
+    tokens, seconds = [step()], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tokens.append(step())
+        seconds.append(time.perf_counter() - t0)
+    return tokens, seconds
+
+
+def hf_engine(model, layers, first, context: int, steps: int, kind: str):
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    c = model.config
+    if kind == "static":
+        kv = StaticCache(config=c, max_cache_len=context + steps + 2)
+    else:
+        kv = DynamicCache(config=c)
+    with torch.inference_mode():
+        for i, (k, v) in enumerate(layers):
+            # transformers' caches are head-major: [batch, kv_heads, context, dim]
+            kt = torch.from_numpy(k).transpose(1, 2).contiguous()
+            vt = torch.from_numpy(v).transpose(1, 2).contiguous()
+            kv.update(kt, vt, i, {"cache_position": torch.arange(context)})
+    tok = torch.from_numpy(first).reshape(BATCH, 1)
+    at = [context]
+
+    def step():
+        nonlocal tok
+        with torch.inference_mode():
+            pos = torch.tensor([at[0]])
+            out = model(input_ids=tok, past_key_values=kv, cache_position=pos,
+                        position_ids=pos.expand(BATCH, 1), use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        at[0] += 1
+        return tok.reshape(-1).tolist()
+
+    return timed_steps(step, steps)
+
+
+def ci_engine(config, params, layers, first, context: int, steps: int, backend: str,
+              compiled: bool):
+    import cacheidx as ci
+    from cacheidx.models import llama
+
+    be = ci.backends.get(backend)
+    xp = be.xp
+    width = context + steps + 2
+    index = ci.rows(width, [context] * BATCH, xp=backend)
+    weights = llama.convert(params, xp=xp)
+    pools = []
+    for k, v in layers:
+        pk = np.zeros((BATCH * width, config.kv_heads, config.head_dim), np.float32)
+        pv = np.zeros_like(pk)
+        for b in range(BATCH):
+            pk[b * width:b * width + context], pv[b * width:b * width + context] = k[b], v[b]
+        pools.append((xp.asarray(pk), xp.asarray(pv)))
+
+    def forward(weights, tokens, index, pools):
+        logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
+                                      last=True)
+        return xp.argmax(logits[:, 0, :], axis=-1), pools
+
+    run = be.jit(forward, donate_argnums=(3,)) if compiled else be.inference(forward)
+    state = {"index": index.advance(), "tok": xp.reshape(xp.asarray(first), (BATCH, 1)),
+             "pools": pools}
+
+    def step():
+        chosen, state["pools"] = run(weights, state["tok"], state["index"], state["pools"])
+        state["tok"] = xp.reshape(chosen, (BATCH, 1))
+        state["index"] = state["index"].advance()
+        return np.asarray(chosen).reshape(-1).tolist()
+
+    return timed_steps(step, steps)
+
+
+def bandwidth() -> float:
+    """Bytes a second one thread reads here: the best of a few sums over 400 MB."""
+    a = np.ones(100_000_000, np.float32)
+    best = min(_time(lambda: a.sum()) for _ in range(3))
+    return a.nbytes / best
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_rows(args, model, config, params) -> list[dict]:
+    rows = []
+    wbytes = weight_bytes(params)
+    bw = bandwidth()
+    say(f"memory bandwidth (one thread): {bw / 1e9:.1f} GB/s; weights {wbytes / 2**20:.0f} MB")
+    for context in args.contexts:
+        layers, first = cache(config, context, args.steps)
+        cache_bytes = 2 * config.layers * BATCH * context * config.kv_heads * config.head_dim * 4
+        floor = (wbytes + cache_bytes) / bw
+        tokens = {}
+        for engine in args.engines:
+            t0 = time.perf_counter()
+            try:
+                got = run_engine(engine, model, config, params, layers, first, context,
+                                 args.steps)
+            except Exception as e:  # an engine missing here is said so, not hidden
+                say(f"{engine} at {context}: not measured ({type(e).__name__}: {e})")
+                continue
+            toks, seconds = got
+            tokens[engine] = toks
+            med = statistics.median(seconds)
+            rows.append({"context": context, "engine": engine,
+                         "tokens_per_s": BATCH / med, "step_ms": 1e3 * med,
+                         "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
+                         "floor_ms": 1e3 * floor, "wall_s": time.perf_counter() - t0})
+            say(f"{engine} at {context}: {BATCH / med:.1f} tokens/s (step {1e3 * med:.1f} ms, "
+                f"{1e3 * min(seconds):.1f} to {1e3 * max(seconds):.1f}); floor "
+                f"{1e3 * floor:.1f} ms")
+        ref = tokens.get("transformers static")
+        for engine, toks in tokens.items():
+            same = ref is None or toks == ref
+            for r in rows:
+                if r["context"] == context and r["engine"] == engine:
+                    r["same_tokens"] = same
+            if not same:
+                say(f"{engine} at {context}: tokens differ from transformers static")
+    return rows
+
+
+def run_engine(engine, model, config, params, layers, first, context, steps):
+    if engine.startswith("transformers"):
+        return hf_engine(model, layers, first, context, steps, engine.split()[-1])
+    backend = engine.split()[1]
+    return ci_engine(config, params, layers, first, context, steps, backend,
+                     compiled=engine.endswith(("compiled", "jit")))
+
+
+# -- a long prefill's memory ----------------------------------------------------------------
+def prefill_memory(args) -> list[dict]:
+    """Peak memory beyond the inputs, outputs and pools of one layer's prefill of ``n``
+    tokens (batch 1): NumPy's through tracemalloc, torch's through its CPU allocator's
+    profile, JAX's from the compiled program's own accounting."""
+    out = []
+    for n in args.prefill:
+        for backend in ("numpy", "torch", "jax"):
+            try:
+                peak, took = one_prefill(backend, n)
+            except Exception as e:
+                say(f"prefill {n} on {backend}: not measured ({type(e).__name__}: {e})")
+                continue
+            materialised = 9 * n * n * 4
+            out.append({"tokens": n, "backend": backend, "peak_mb": peak / 2**20,
+                        "scores_mb": materialised / 2**20, "seconds": took})
+            say(f"prefill {n} on {backend}: peak {peak / 2**20:.0f} MB beyond inputs "
+                f"(the scores alone would be {materialised / 2**20:.0f} MB), {took:.1f}s")
+    return out
+
+
+def one_prefill(backend: str, n: int) -> tuple[float, float]:
+    import cacheidx as ci
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, n, 9, 64), dtype=np.float32)
+    k = rng.standard_normal((1, n, 3, 64), dtype=np.float32)
+    v = rng.standard_normal((1, n, 3, 64), dtype=np.float32)
+    pool = np.zeros((n, 3, 64), np.float32)
+    if backend == "numpy":
+        import tracemalloc
+
+        index = ci.rows(n, [n])
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        index.attend(q, k, v, pool, pool.copy(), donate=True)
+        took = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak, took
+    if backend == "torch":
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        index = ci.rows(n, [n], xp="torch")
+        args = [torch.from_numpy(a) for a in (q, k, v, pool, pool.copy())]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                index.attend(*args, donate=True)
+            took = time.perf_counter() - t0
+        return _torch_peak(prof), took
+    import jax
+
+    index = ci.rows(n, [n], xp="jax")
+    arrays = [jax.numpy.asarray(a) for a in (q, k, v, pool, pool.copy())]
+
+    def run(index, q, k, v, kp, vp):
+        return index.attend(q, k, v, kp, vp)
+
+    lowered = jax.jit(run).lower(index, *arrays)
+    compiled = lowered.compile()
+    stats = compiled.memory_analysis()
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(index, *arrays))
+    return float(stats.temp_size_in_bytes), time.perf_counter() - t0
+
+
+def _torch_peak(prof) -> float:
+    """The peak of live CPU memory the profile's allocations and frees reach."""
+    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
+                    if e.cpu_memory_usage)
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return float(peak)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="1k context, 4 steps, no prefill")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--prefill", type=int, nargs="*", default=[4096, 8192, 16384])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M-Instruct")
+    p.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.steps, args.prefill = [1024], 4, []
+    import torch
+
+    torch.set_num_threads(1)
+    if args.smollm2:
+        from cacheidx.models import gguf
+
+        model = gguf.transformers_model()
+        config, params = gguf.load_smollm2()
+        name = "SmolLM2-135M-Instruct (30 layers, vocabulary 49,152)"
+    else:
+        model = shaped_model()
+        config, params = ours(model)
+        name = "SmolLM2-135M's shape, 2 layers, vocabulary 4,096 (random weights)"
+    rows = decode_rows(args, model, config, params)
+    print(f"Decode, {name}: batch {BATCH}, {args.steps} steps after one to warm up, one "
+          "thread; tokens/s over the median step, and the fastest and slowest step.\n")
+    print("| context | engine | tokens/s | vs transformers static | step ms (fastest-slowest) "
+          "| floor ms | same tokens |")
+    print("|---:|---|---:|---:|---|---:|---|")
+    for r in rows:
+        ref = next((x for x in rows if x["context"] == r["context"]
+                    and x["engine"] == "transformers static"), None)
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
+        print(f"| {r['context']} | {r['engine']} | {r['tokens_per_s']:.1f} | {ratio} | "
+              f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) | "
+              f"{r['floor_ms']:.1f} | {'yes' if r.get('same_tokens', True) else 'no'} |")
+    memory = prefill_memory(args) if args.prefill else []
+    if memory:
+        print("\nOne layer's prefill (batch 1, 9 query and 3 kv heads of 64, float32): peak "
+              "memory beyond its inputs, outputs and pools.\n")
+        print("| tokens | backend | peak MB | materialised scores MB | seconds |")
+        print("|---:|---|---:|---:|---:|")
+        for r in memory:
+            print(f"| {r['tokens']} | {r['backend']} | {r['peak_mb']:.0f} | "
+                  f"{r['scores_mb']:.0f} | {r['seconds']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "batch": BATCH, "steps": args.steps, "decode": rows,
+                       "prefill": memory}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
