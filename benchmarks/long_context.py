@@ -257,17 +257,20 @@ def run_engine(engine, model, config, params, layers, first, context, steps):
 
 # -- a long prefill's memory ----------------------------------------------------------------
 def prefill_memory(args) -> list[dict]:
-    """Peak memory beyond the inputs, outputs and pools of one layer's prefill of ``n``
-    tokens (batch 1): NumPy's through tracemalloc, torch's through its CPU allocator's
-    profile, JAX's from the compiled program's own accounting."""
+    """Peak memory beyond the inputs, outputs and pools of one layer's prefill of ``n`` tokens
+    (batch 1): the process's peak resident memory during the call (Linux's ``VmHWM``, reset
+    first) less what it held before, each backend in a process of its own."""
+    import subprocess
+
     out = []
     for n in args.prefill:
         for backend in ("numpy", "torch", "jax"):
-            try:
-                peak, took = one_prefill(backend, n)
-            except Exception as e:
-                say(f"prefill {n} on {backend}: not measured ({type(e).__name__}: {e})")
+            got = subprocess.run([sys.executable, __file__, "--one-prefill", backend, str(n)],
+                                 capture_output=True, text=True)
+            if got.returncode != 0:
+                say(f"prefill {n} on {backend}: not measured ({got.stderr.strip()[-300:]})")
                 continue
+            peak, took = json.loads(got.stdout.strip().splitlines()[-1])
             materialised = 9 * n * n * 4
             out.append({"tokens": n, "backend": backend, "peak_mb": peak / 2**20,
                         "scores_mb": materialised / 2**20, "seconds": took})
@@ -276,74 +279,62 @@ def prefill_memory(args) -> list[dict]:
     return out
 
 
+def _resident(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
 def one_prefill(backend: str, n: int) -> tuple[float, float]:
+    """In this process: the peak resident memory a prefill of ``n`` tokens adds, and its
+    seconds (after a first call of 16 tokens has loaded the library's code)."""
     import cacheidx as ci
 
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, n, 9, 64), dtype=np.float32)
-    k = rng.standard_normal((1, n, 3, 64), dtype=np.float32)
-    v = rng.standard_normal((1, n, 3, 64), dtype=np.float32)
-    pool = np.zeros((n, 3, 64), np.float32)
-    if backend == "numpy":
-        import tracemalloc
+    be = ci.backends.get(backend)
+    xp = be.xp
 
-        index = ci.rows(n, [n])
-        tracemalloc.start()
-        t0 = time.perf_counter()
-        index.attend(q, k, v, pool, pool.copy(), donate=True)
-        took = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        return peak, took
-    if backend == "torch":
-        import torch
-        from torch.profiler import ProfilerActivity, profile
+    def arrays(m):
+        return [xp.asarray(a) for a in (
+            rng.standard_normal((1, m, 9, 64), dtype=np.float32),
+            rng.standard_normal((1, m, 3, 64), dtype=np.float32),
+            rng.standard_normal((1, m, 3, 64), dtype=np.float32),
+            np.zeros((m, 3, 64), np.float32), np.zeros((m, 3, 64), np.float32))]
 
-        index = ci.rows(n, [n], xp="torch")
-        args = [torch.from_numpy(a) for a in (q, k, v, pool, pool.copy())]
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                index.attend(*args, donate=True)
-            took = time.perf_counter() - t0
-        return _torch_peak(prof), took
-    import jax
+    run = be.inference(lambda index, *a: index.attend(*a, donate=True)[0])
+    if backend == "jax":
+        import jax
 
-    index = ci.rows(n, [n], xp="jax")
-    arrays = [jax.numpy.asarray(a) for a in (q, k, v, pool, pool.copy())]
-
-    def run(index, q, k, v, kp, vp):
-        return index.attend(q, k, v, kp, vp)
-
-    lowered = jax.jit(run).lower(index, *arrays)
-    compiled = lowered.compile()
-    stats = compiled.memory_analysis()
+        run = jax.jit(lambda index, *a: index.attend(*a)[0])
+    np.asarray(run(ci.rows(16, [16], xp=backend), *arrays(16)))  # load and compile code
+    index, inputs = ci.rows(n, [n], xp=backend), arrays(n)
+    out = xp.zeros((1, n, 9, 64))  # the output's memory, held before
+    del out
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts from here
+    before = _resident("VmRSS")
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(index, *arrays))
-    return float(stats.temp_size_in_bytes), time.perf_counter() - t0
-
-
-def _torch_peak(prof) -> float:
-    """The peak of live CPU memory the profile's allocations and frees reach."""
-    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
-                    if e.cpu_memory_usage)
-    live = peak = 0
-    for _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return float(peak)
+    got = run(index, *inputs)
+    np.asarray(got)
+    took = time.perf_counter() - t0
+    peak = _resident("VmHWM") - before - n * 9 * 64 * 4  # less the output itself
+    return max(peak, 0), took
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--quick", action="store_true", help="1k context, 4 steps, no prefill")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     p.add_argument("--prefill", type=int, nargs="*", default=[4096, 8192, 16384])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M-Instruct")
     p.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    p.add_argument("--one-prefill", nargs=2, metavar=("BACKEND", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.one_prefill:
+        print(json.dumps(one_prefill(args.one_prefill[0], int(args.one_prefill[1]))))
+        return 0
     if args.quick:
         args.contexts, args.steps, args.prefill = [1024], 4, []
     import torch
