@@ -32,11 +32,12 @@ HEADS, KV, DIM = 4, 2, 8
 
 def tolerance(case: Case, columns: int) -> float:
     """How far ``attend``'s output may stray from the reference's, relative to the largest
-    value a query weighs. Each output is a convex combination of values; reordering its sums
-    over ``columns`` terms, and the rescaling by ``exp(m_old - m_new)`` (a few roundings per
-    weight), move it by at most ``(columns + 8)`` roundings of the products' mantissa
-    (``2**-23`` in float32 at the highest precision)."""
-    return (columns + 8) * 2.0 ** -case.policy.mantissa
+    value weighed: ``(3 * columns + 2 * DIM + 8) * 2**-p`` for products keeping ``p`` mantissa
+    bits (docs/attention.md derives it). Each output is a convex combination of values, so
+    its error is the relative error of its weights: the two sums over ``columns`` terms
+    (numerator and denominator, each reordered), the rescaling by ``exp(m_old - m_new)`` a few
+    roundings per tile, and the scores' own products over ``DIM`` terms."""
+    return (3 * columns + 2 * DIM + 8) * 2.0 ** -case.policy.mantissa
 
 
 def attend(ix, q, k, v, kpool, vpool):

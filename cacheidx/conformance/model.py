@@ -1,9 +1,11 @@
 """Model-level laws: a tiny Llama-shaped decoder (``cacheidx.models.llama``) run through an
 index gives the outputs it gives on the whole sequence, however the tokens are placed.
 
-Every comparison is against the decoder on a ``whole`` index, which reads and keeps nothing:
-the reference logits of a sequence, computed once per run over twelve left-padded tokens (the
-decoder is causal, so a sequence's logits hold those of each of its prefixes). The laws share
+Every comparison is against the decoder on a ``whole`` index, which reads and keeps nothing,
+through the spec's path (``extend`` then the materialised softmax; every call under test goes
+through ``attend``): the reference logits of a sequence, computed once per run over twelve
+left-padded tokens (the decoder is causal, so a sequence's logits hold those of each of its
+prefixes). The laws share
 one geometry, pools of ``SLOTS`` slots and tables ``WIDTH`` columns wide, so a compiled run
 builds few programs. How close outputs must be is the run's numerical policy
 (:mod:`cacheidx.conformance.precision`).
@@ -26,8 +28,8 @@ COLUMNS = list(range(WIDTH))  #: a table of contiguous slots
 
 
 @functools.cache
-def config(mantissa: int | None) -> Config:
-    return Config.tiny(matmul_mantissa=mantissa)
+def config(mantissa: int | None, attention: str = "attend") -> Config:
+    return Config.tiny(matmul_mantissa=mantissa, attention=attention)
 
 
 @functools.cache
@@ -79,15 +81,17 @@ def prompt(n: int, seed: int = 1) -> list[int]:
 
 
 def alone(case: Case, params, ids: list[int]) -> np.ndarray:
-    """Logits of ``ids`` as one whole sequence, computed eagerly (the reference is no law of
-    its own: a whole index's compiled reads are the index laws') and kept for the run."""
+    """Logits of ``ids`` as one whole sequence, computed eagerly through the spec's path
+    (``extend``, then the materialised softmax under ``mask``), so that every law compares
+    ``attend`` with it (the reference is no law of its own: a whole index's compiled reads are
+    the index laws'), and kept for the run."""
     key = ("alone", tuple(ids))
     if key not in case.session.memo:
         assert len(ids) <= WIDTH, f"a reference of {len(ids)} tokens is past {WIDTH}"
         ix = build.whole(1, WIDTH, lens=[len(ids)], **on(case))
         padded = [0] * (WIDTH - len(ids)) + list(ids)
-        logits, _ = forward(params, config(case.policy.emulate), tokens(case, padded), ix,
-                            setup(case)[1])
+        logits, _ = forward(params, config(case.policy.emulate, "extend"),
+                            tokens(case, padded), ix, setup(case)[1])
         case.session.memo[key] = case.numpy(logits)[0, WIDTH - len(ids):]
     return case.session.memo[key]
 
