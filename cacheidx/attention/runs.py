@@ -46,23 +46,25 @@ class _Piece(NamedTuple):
     full: bool
 
 
-class _Lane(NamedTuple):
-    """One lane's blocks of queries, ``(i0, i1, pieces)``, and its one-lane index."""
-
-    index: Any
-    blocks: list[tuple[int, int, list[_Piece]]]
+#: one lane's blocks of queries: ``(i0, i1, pieces)``
+_Blocks = list[tuple[int, int, list[_Piece]]]
 
 
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + size)) for a in range(0, n, size)]
 
 
-def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list[_Lane] | None:
+def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
+          ) -> list[_Blocks] | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, or ``None`` where some lane's
     seen columns are not a few runs of slots inside the pool. Worked out on the host, on a
     NumPy copy of the index: the laws' own helpers, with no device round trip per piece."""
     on_host = _host_index(index)
     table, some = on_host._lane_table, on_host._some_token_sees()
+    width = int(table.shape[1])
+    # a short call's whole mask at once (a decode step's is [batch, 1, width]); a long one's
+    # per piece, so that the host never holds [batch, seq, width]
+    whole = on_host.mask() if index.batch * index.seq * width <= 1 << 22 else None
     lanes = []
     for b in range(index.batch):
         cols = np.flatnonzero(some[b])
@@ -70,25 +72,29 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None) -> list
         if not np.all(inside(slots, n)):
             return None  # a hole or a dropped slot: the tiles read it as zero
         breaks = np.flatnonzero((np.diff(cols) != 1) | (np.diff(slots) != 1)) + 1
-        starts = np.concatenate([[0], breaks]).astype(int) if cols.size else np.zeros(0, int)
-        if starts.size > MOST_RUNS:
+        if breaks.size >= MOST_RUNS:
             return None
-        ends = np.concatenate([breaks, [cols.size]]).astype(int)
-        one = _one_lane(on_host, b)
+        starts, ends = np.r_[0, breaks].astype(int), np.r_[breaks, cols.size].astype(int)
+        one = None if whole is not None else _one_lane(on_host, b)
         blocks = []
         for i0, i1 in _spans(index.seq, ROWS):
-            part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
-            width = tile or max(16, scores // ((i1 - i0) * heads))
+            size = tile or max(16, scores // ((i1 - i0) * heads))
             pieces = []
             for a, e in zip(starts, ends):
+                if a == e:
+                    continue  # a lane no token sees
                 c_first = int(cols[a])
-                for p0, p1 in _spans(int(e - a), width):
+                for p0, p1 in _spans(int(e - a), size):
                     c0, c1 = c_first + p0, c_first + p1
-                    seen = part._sees_columns(np.arange(c0, c1)[None, None, :])
+                    if whole is not None:
+                        seen = whole[b, i0:i1, c0:c1]
+                    else:
+                        part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
+                        seen = part._sees_columns(np.arange(c0, c1)[None, None, :])
                     if seen.any():
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
             blocks.append((i0, i1, pieces))
-        lanes.append(_Lane(_one_lane(index, b), blocks))
+        lanes.append(blocks)
     return lanes
 
 
@@ -128,17 +134,20 @@ def read(call: Any, scores: int) -> Any | None:
         return None
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
     out = []
-    for b, lane in enumerate(lanes):
+    for b, blocks in enumerate(lanes):
+        one = None  # this lane's own index, made once a piece needs a mask
         parts = []
-        for i0, i1, pieces in lane.blocks:
-            qb = q[b:b + 1, i0:i1, ...]
-            state = Online.start(xp, qb, "lane", dv, kv, scale=call.scale, softcap=call.softcap)
-            part = dataclasses.replace(lane.index, pos=lane.index.pos[:, i0:i1])
+        for i0, i1, pieces in blocks:
+            state = Online.start(xp, q[b:b + 1, i0:i1, ...], "lane", dv, kv,
+                                 scale=call.scale, softcap=call.softcap)
             for c0, c1, s0, full in pieces:
-                mask = None if full else part._sees_columns(part._arange(c1 - c0)[None, None, :]
-                                                            + c0)
+                mask = None
+                if not full:
+                    one = one or _one_lane(index, b)
+                    part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
+                    mask = part._sees_columns(part._arange(c1 - c0)[None, None, :] + c0)
                 state.add(kpool[s0:s0 + c1 - c0, ...][None, ...],
                           vpool[s0:s0 + c1 - c0, ...][None, ...], mask)
             parts.append(state.result(call.sinks))
-        out.append(xp.concat(parts, axis=1))
+        out.append(parts[0] if len(parts) == 1 else xp.concat(parts, axis=1))
     return xp.concat(out, axis=0)
