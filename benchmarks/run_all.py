@@ -249,6 +249,47 @@ def plots(stem: str, data, img: Path) -> list[str]:
             ax.tick_params(axis="y", labelsize=7)
         fig.suptitle(f"{stem}: the prefix cache against no cache, LRU and the ideal")
         save(fig, "tokens")
+    decode = data.get("decode")
+    if isinstance(decode, list) and decode and {"context", "engine", "tokens_per_s"} <= set(
+            decode[0]):
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        for engine in dict.fromkeys(r["engine"] for r in decode):
+            pts = sorted((r["context"], r["tokens_per_s"]) for r in decode
+                         if r["engine"] == engine)
+            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine,
+                    ls="--" if engine.startswith("transformers") else "-")
+        floor = sorted({(r["context"], r["floor_ms"]) for r in decode if "floor_ms" in r})
+        if floor:
+            ax.plot([c for c, _ in floor], [data.get("batch", 8) * 1e3 / f for _, f in floor],
+                    color="#999999", ls=":", label="memory-bandwidth bound")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens in each lane's cache")
+        ax.set_ylabel("decode tokens/s (batch 8)")
+        ax.set_title(f"{stem}: decode against context")
+        ax.legend(fontsize=7)
+        save(fig, "decode")
+    prefill = data.get("prefill")
+    if isinstance(prefill, list) and prefill and {"tokens", "backend", "peak_mb"} <= set(
+            prefill[0]):
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        names = list(dict.fromkeys(r["backend"] for r in prefill))
+        sizes = sorted({r["tokens"] for r in prefill})
+        width = 0.8 / (len(names) + 1)
+        for k, name in enumerate(names):
+            got = {r["tokens"]: r["peak_mb"] for r in prefill if r["backend"] == name}
+            ax.bar([i + k * width for i in range(len(sizes))],
+                   [got.get(n, 0) for n in sizes], width, label=f"attend, {name}")
+        scores = {r["tokens"]: r["scores_mb"] for r in prefill}
+        ax.bar([i + len(names) * width for i in range(len(sizes))],
+               [scores[n] for n in sizes], width, color="#bbbbbb", label="the scores alone")
+        ax.set_xticks([i + width * len(names) / 2 for i in range(len(sizes))],
+                      [f"{n:,} tokens" for n in sizes])
+        ax.set_yscale("log")
+        ax.set_ylabel("MB beyond inputs and pools")
+        ax.set_title(f"{stem}: one layer's prefill, peak memory")
+        ax.legend(fontsize=7)
+        save(fig, "prefill")
     report = data.get("report")
     if isinstance(report, dict) and {"tokens", "computed", "minimum"} <= set(report):
         fig, ax = plt.subplots(figsize=(6, 3.2))

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["Online", "reference", "work_dtype"]
+__all__ = ["Online", "group", "reference", "ungroup", "work_dtype"]
 
 
 def work_dtype(xp: Any, dtype: Any) -> Any:
@@ -92,44 +92,71 @@ def reference(q: Any, seen_k: Any, seen_v: Any, mask: Any, *, scale: float | Non
     return xp.reshape(out, (b, s, heads, out.shape[-1]))
 
 
+def group(xp: Any, q: Any, layout: str, kv: int, scale: float) -> Any:
+    """``q`` ``[batch, seq, heads, d]`` in the work dtype, scaled, and grouped for ``layout``:
+    ``[batch, kv, g, seq, d]`` (``"lane"``) or ``[batch, seq, kv, g, d]`` (``"token"``)."""
+    b, s, heads, d = q.shape
+    qg = xp.reshape(_as(xp, q, work_dtype(xp, q.dtype)), (b, s, kv, heads // kv, d)) * scale
+    return xp.permute_dims(qg, (0, 2, 3, 1, 4)) if layout == "lane" else qg
+
+
+def ungroup(xp: Any, out: Any, layout: str, dtype: Any) -> Any:
+    """An output in ``layout`` (:meth:`Online.normalised`'s) as ``[batch, seq, heads, dv]`` in
+    ``dtype``."""
+    if layout == "lane":
+        out = xp.permute_dims(out, (0, 3, 1, 2, 4))
+    b, s, kv, g, dv = out.shape
+    return _as(xp, xp.reshape(out, (b, s, kv * g, dv)), dtype)
+
+
+def _as(xp: Any, x: Any, dtype: Any) -> Any:
+    return x if x.dtype == dtype else xp.astype(x, dtype)
+
+
 @dataclasses.dataclass
 class Online:
-    """The running state of one call's online softmax: queries prepared for ``layout``, and
-    per query ``m`` (the largest score so far), ``l`` and ``acc``, all ``None`` until a tile
-    comes (the first tile then needs no rescaling, and a decode's one tile is a plain softmax).
+    """The running state of one call's online softmax: queries grouped for ``layout``
+    (:func:`group`), and per query ``m`` (the largest score so far), ``l`` and ``acc``, all
+    ``None`` until a tile comes (the first tile then needs no rescaling, and a decode step's
+    one tile is a plain softmax).
 
     ``Online.start(xp, q, layout, dv, kv)`` begins; ``add(keys, values, mask)`` folds in one
-    tile; ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype."""
+    tile; ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype. A caller that
+    attends for several parts of a batch apart (a lane, a block of queries) groups the queries
+    once, makes an ``Online`` per part from its slice, and ungroups the parts' ``normalised``
+    outputs once."""
 
     xp: Any
     layout: str
-    shape: tuple[int, int, int, int]  #: (batch, seq, heads, dv) of the output
-    q: Any  #: the queries, grouped for the layout, in the work dtype, scale applied
+    q: Any  #: the queries, grouped for the layout (:func:`group`)
+    dv: int
     softcap: float | None
     out_dtype: Any
     m: Any = None
     l: Any = None
     acc: Any = None
+    #: whether some query may have seen no column (a mask came): ``l`` may then be zero
+    masked: bool = False
 
     @classmethod
     def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
               softcap: float | None) -> Online:
-        b, s, heads, d = q.shape
-        g = heads // kv
-        qg = xp.reshape(xp.astype(q, work_dtype(xp, q.dtype), copy=False), (b, s, kv, g, d))
-        qg = qg * scale
-        if layout == "lane":  # [b, kv, g * s, d]
-            qg = xp.reshape(xp.permute_dims(qg, (0, 2, 3, 1, 4)), (b, kv, g * s, d))
-        return cls(xp, layout, (b, s, heads, dv), qg, softcap, q.dtype)
+        return cls(xp, layout, group(xp, q, layout, kv, scale), dv, softcap, q.dtype)
 
     def scores(self, keys: Any) -> Any:
-        """``cap(scale * q . k)`` of every query against one tile's keys, in the layout."""
-        xp, (b, s, heads, _) = self.xp, self.shape
-        keys = xp.astype(keys, self.q.dtype, copy=False)
+        """``cap(scale * q . k)`` of every query against one tile's keys, in the layout:
+        ``[batch, kv, g, seq, T]`` or ``[batch, seq, kv, g, T]``."""
+        xp = self.xp
+        keys = _as(xp, keys, self.q.dtype)
         if self.layout == "lane":
-            kv, t = keys.shape[2], keys.shape[1]
-            z = xp.reshape(self.q @ xp.permute_dims(keys, (0, 2, 3, 1)),
-                           (b, kv, heads // kv, s, t))
+            b, kv, g, s, d = self.q.shape
+            qh = xp.reshape(self.q, (b, kv, g * s, d))
+            if keys.shape[0] == 1:  # one lane: its kv heads are the product's batch, in place
+                z = qh @ xp.permute_dims(keys, (0, 2, 3, 1))
+            else:  # lanes and heads would not fold into one batch: a product per kv head
+                z = xp.stack([qh[:, h, ...] @ xp.permute_dims(keys[:, :, h, :], (0, 2, 1))
+                              for h in range(kv)], axis=1)
+            z = xp.reshape(z, (b, kv, g, s, z.shape[-1]))
         else:
             z = self.q @ xp.permute_dims(keys, (0, 1, 3, 4, 2))
         return _cap(xp, z, self.softcap)
@@ -142,15 +169,16 @@ class Online:
         if mask is not None:
             gate = mask[:, None, None, :, :] if self.layout == "lane" else mask[:, :, None, None, :]
             z = xp.where(gate, z, -xp.inf)
+            self.masked = True
         top = xp.max(z, axis=-1, keepdims=True)
         if self.m is not None:
             top = xp.maximum(self.m, top)
         # a query that has seen nothing yet keeps -inf; exp(-inf - 0) is exactly 0
-        base = top if mask is None and self.m is None else xp.where(
+        base = top if not self.masked else xp.where(
             top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
         p = xp.exp(z - base)
         total = xp.sum(p, axis=-1, keepdims=True)
-        weighed = self._weigh(p, xp.astype(values, p.dtype, copy=False))
+        weighed = self._weigh(p, _as(xp, values, p.dtype))
         if self.m is None:
             self.l, self.acc = total, weighed
         else:
@@ -162,30 +190,37 @@ class Online:
         xp = self.xp
         if self.layout == "lane":
             b, kv, g, s, t = p.shape
-            out = xp.reshape(p, (b, kv, g * s, t)) @ xp.permute_dims(values, (0, 2, 1, 3))
+            ph = xp.reshape(p, (b, kv, g * s, t))
+            if values.shape[0] == 1:
+                out = ph @ xp.permute_dims(values, (0, 2, 1, 3))
+            else:
+                out = xp.stack([ph[:, h, ...] @ values[:, :, h, :] for h in range(kv)], axis=1)
             return xp.reshape(out, (b, kv, g, s, values.shape[-1]))
         return p @ xp.permute_dims(values, (0, 1, 3, 2, 4))
 
-    def result(self, sinks: Any = None) -> Any:
-        """``acc / l`` as ``[batch, seq, heads, dv]``, with the sinks' column folded in; zero
-        for a query that saw nothing (and for every query when no tile came)."""
-        xp, (b, s, heads, dv) = self.xp, self.shape
+    def normalised(self, sinks: Any = None) -> Any:
+        """``acc / l`` in the layout, with the sinks' column folded in; zero for a query that
+        saw nothing (and for every query when no tile came)."""
+        xp = self.xp
         if self.m is None:
-            return xp.zeros((b, s, heads, dv), dtype=self.out_dtype, device=_device(self.q))
+            return xp.zeros((*self.q.shape[:-1], self.dv), dtype=self.q.dtype,
+                            device=_device(self.q))
         m, l, acc = self.m, self.l, self.acc
+        masked = self.masked
         if sinks is not None:
-            kv = acc.shape[1] if self.layout == "lane" else acc.shape[2]
-            g = heads // kv
+            kv, g = self.q.shape[1:3] if self.layout == "lane" else self.q.shape[2:4]
             shape = (1, kv, g, 1, 1) if self.layout == "lane" else (1, 1, kv, g, 1)
-            sink = xp.reshape(xp.astype(sinks, m.dtype), shape)
+            sink = xp.reshape(_as(xp, sinks, m.dtype), shape)
             top = xp.maximum(m, sink)
             base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
             fade = xp.exp(m - base)
-            l, acc = l * fade + xp.exp(sink - base), acc * fade
-        out = acc / xp.where(l > 0, l, xp.ones((), dtype=l.dtype))
-        if self.layout == "lane":
-            out = xp.permute_dims(out, (0, 3, 1, 2, 4))
-        return xp.astype(xp.reshape(out, (b, s, heads, dv)), self.out_dtype, copy=False)
+            l, acc, masked = l * fade + xp.exp(sink - base), acc * fade, True
+        # without a mask every query saw a column of the first tile: its sum is positive
+        return acc / (xp.where(l > 0, l, xp.ones((), dtype=l.dtype)) if masked else l)
+
+    def result(self, sinks: Any = None) -> Any:
+        """``[batch, seq, heads, dv]`` in ``q``'s dtype: :meth:`normalised`, ungrouped."""
+        return ungroup(self.xp, self.normalised(sinks), self.layout, self.out_dtype)
 
 
 def _device(x: Any) -> Any:

@@ -26,7 +26,7 @@ from ..index import _flatten, _unflatten
 from .laws import index, same, variants
 from .suite import Case, law
 
-TILE = 4  #: columns a tile reads in these laws: every context here takes several tiles
+TILE = 8  #: columns a tile reads in these laws: a table 11 wide takes two tiles
 HEADS, KV, DIM = 4, 2, 8
 
 

@@ -136,18 +136,29 @@ def tree_map(f, tree, *more):
 
 
 def convert(params, *, xp=None, device=None, dtype=None):
-    """``params`` with every array turned into one of namespace ``xp`` (a module or a name)."""
+    """``params`` with every array turned into one of namespace ``xp`` (a module or a name).
+
+    A linear weight ``[in, out]`` (every NumPy matrix but the embedding) is placed as the
+    transpose of an ``[out, in]`` array, the layout of ``torch.nn.Linear``: ``x @ w`` is the
+    same product, and a backend's fast linear kernel (oneDNN's, on the CPU) reads the weight
+    as it stores it instead of reordering it on every call."""
     if xp is None:
         return params
     xp = _namespace(xp)
 
-    def go(p):
+    def place(p, linear):
+        if linear:
+            p = np.ascontiguousarray(p.T)
+        a = xp.asarray(p, device=device) if device is not None else xp.asarray(p)
+        a = a if dtype is None else xp.astype(a, dtype)
+        return xp.matrix_transpose(a) if linear else a
+
+    def go(p, key=None):
         if isinstance(p, dict):
-            return {k: go(v) for k, v in p.items()}
+            return {k: go(v, k) for k, v in p.items()}
         if isinstance(p, list | tuple):
             return [go(v) for v in p]
-        a = xp.asarray(p, device=device) if device is not None else xp.asarray(p)
-        return a if dtype is None else xp.astype(a, dtype)
+        return place(p, isinstance(p, np.ndarray) and p.ndim == 2 and key != "embed")
 
     return go(params)
 
