@@ -53,6 +53,7 @@ def _looped(call: Any) -> Any:
     state = Online.start(xp, call.q, "lane", int(vpool.shape[-1]), int(kpool.shape[1]),
                          scale=call.scale, softcap=call.softcap)
     state.masked = True  # every tile comes with its mask: each loop step's state is a copy
+    state.split = False  # one product: XLA lays out the tile as it likes
 
     def read(pool: Any, slots: Any, ok: Any) -> Any:
         got = index.backend.gather(pool, xp.reshape(slots, (-1,)),

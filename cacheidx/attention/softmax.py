@@ -137,6 +137,10 @@ class Online:
     acc: Any = None
     #: whether some query may have seen no column (a mask came): ``l`` may then be zero
     masked: bool = False
+    #: one product per kv head where a tile's lanes and heads do not fold into one batch
+    #: (eagerly: a library would copy the tile to fold them); traced, one product, which a
+    #: compiler lays out itself and traces in fewer steps
+    split: bool = True
 
     @classmethod
     def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
@@ -151,7 +155,7 @@ class Online:
         if self.layout == "lane":
             b, kv, g, s, d = self.q.shape
             qh = xp.reshape(self.q, (b, kv, g * s, d))
-            if keys.shape[0] == 1:  # one lane: its kv heads are the product's batch, in place
+            if keys.shape[0] == 1 or not self.split:  # one lane: its heads are the batch
                 z = qh @ xp.permute_dims(keys, (0, 2, 3, 1))
             else:  # lanes and heads would not fold into one batch: a product per kv head
                 z = xp.stack([qh[:, h, ...] @ xp.permute_dims(keys[:, :, h, :], (0, 2, 1))
@@ -191,7 +195,7 @@ class Online:
         if self.layout == "lane":
             b, kv, g, s, t = p.shape
             ph = xp.reshape(p, (b, kv, g * s, t))
-            if values.shape[0] == 1:
+            if values.shape[0] == 1 or not self.split:
                 out = ph @ xp.permute_dims(values, (0, 2, 1, 3))
             else:
                 out = xp.stack([ph[:, h, ...] @ values[:, :, h, :] for h in range(kv)], axis=1)
