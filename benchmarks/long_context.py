@@ -128,10 +128,12 @@ def timed_steps(step, steps: int) -> tuple[list[int], list[float]]:
     return tokens, seconds
 
 
-def hf_engine(model, layers, first, context: int, steps: int, kind: str):
+def hf_engine(model, layers, first, context: int, steps: int, kind: str, device: str):
     import torch
     from transformers import DynamicCache, StaticCache
 
+    dev = torch.device("cuda" if device != "cpu" else "cpu")
+    model = model.to(dev)
     c = model.config
     if kind == "static":
         kv = StaticCache(config=c, max_cache_len=context + steps + 2)
@@ -140,16 +142,16 @@ def hf_engine(model, layers, first, context: int, steps: int, kind: str):
     with torch.inference_mode():
         for i, (k, v) in enumerate(layers):
             # transformers' caches are head-major: [batch, kv_heads, context, dim]
-            kt = torch.from_numpy(k).transpose(1, 2).contiguous()
-            vt = torch.from_numpy(v).transpose(1, 2).contiguous()
-            kv.update(kt, vt, i, {"cache_position": torch.arange(context)})
-    tok = torch.from_numpy(first).reshape(BATCH, 1)
+            kt = torch.from_numpy(k).transpose(1, 2).contiguous().to(dev)
+            vt = torch.from_numpy(v).transpose(1, 2).contiguous().to(dev)
+            kv.update(kt, vt, i, {"cache_position": torch.arange(context, device=dev)})
+    tok = torch.from_numpy(first).reshape(BATCH, 1).to(dev)
     at = [context]
 
     def step():
         nonlocal tok
         with torch.inference_mode():
-            pos = torch.tensor([at[0]])
+            pos = torch.tensor([at[0]], device=dev)
             out = model(input_ids=tok, past_key_values=kv, cache_position=pos,
                         position_ids=pos.expand(BATCH, 1), use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -160,22 +162,24 @@ def hf_engine(model, layers, first, context: int, steps: int, kind: str):
 
 
 def ci_engine(config, params, layers, first, context: int, steps: int, backend: str,
-              compiled: bool):
+              compiled: bool, device: str):
     import cacheidx as ci
+    from cacheidx import devices
     from cacheidx.models import llama
 
     be = ci.backends.get(backend)
     xp = be.xp
+    where = devices.resolve(be, device)
     width = context + steps + 2
-    index = ci.rows(width, [context] * BATCH, xp=backend)
-    weights = llama.convert(params, xp=xp)
+    index = ci.rows(width, [context] * BATCH, xp=backend, device=where)
+    weights = llama.convert(params, xp=xp, device=where)
     pools = []
     for k, v in layers:
         pk = np.zeros((BATCH * width, config.kv_heads, config.head_dim), np.float32)
         pv = np.zeros_like(pk)
         for b in range(BATCH):
             pk[b * width:b * width + context], pv[b * width:b * width + context] = k[b], v[b]
-        pools.append((xp.asarray(pk), xp.asarray(pv)))
+        pools.append((xp.asarray(pk, device=where), xp.asarray(pv, device=where)))
 
     def forward(weights, tokens, index, pools):
         logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
@@ -183,14 +187,14 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
         return xp.argmax(logits[:, 0, :], axis=-1), pools
 
     run = be.jit(forward, donate_argnums=(3,)) if compiled else be.inference(forward)
-    state = {"index": index.advance(), "tok": xp.reshape(xp.asarray(first), (BATCH, 1)),
-             "pools": pools}
+    state = {"index": index.advance(),
+             "tok": xp.reshape(xp.asarray(first, device=where), (BATCH, 1)), "pools": pools}
 
     def step():
         chosen, state["pools"] = run(weights, state["tok"], state["index"], state["pools"])
         state["tok"] = xp.reshape(chosen, (BATCH, 1))
         state["index"] = state["index"].advance()
-        return np.asarray(chosen).reshape(-1).tolist()
+        return devices.to_host(chosen).reshape(-1).tolist()
 
     return timed_steps(step, steps)
 
@@ -211,18 +215,18 @@ def _time(fn) -> float:
 def decode_rows(args, model, config, params) -> list[dict]:
     rows = []
     wbytes = weight_bytes(params)
-    bw = bandwidth()
+    bw = bandwidth() if args.device == "cpu" else float("inf")
     say(f"memory bandwidth (one thread): {bw / 1e9:.1f} GB/s; weights {wbytes / 2**20:.0f} MB")
     for context in args.contexts:
         layers, first = cache(config, context, args.steps)
         cache_bytes = 2 * config.layers * BATCH * context * config.kv_heads * config.head_dim * 4
-        floor = (wbytes + cache_bytes) / bw
+        floor = (wbytes + cache_bytes) / bw  # 0 where not measured (a GPU)
         tokens = {}
         for engine in args.engines:
             t0 = time.perf_counter()
             try:
                 got = run_engine(engine, model, config, params, layers, first, context,
-                                 args.steps)
+                                 args.steps, args.device)
             except Exception as e:  # an engine missing here is said so, not hidden
                 say(f"{engine} at {context}: not measured ({type(e).__name__}: {e})")
                 continue
@@ -232,7 +236,8 @@ def decode_rows(args, model, config, params) -> list[dict]:
             rows.append({"context": context, "engine": engine,
                          "tokens_per_s": BATCH / med, "step_ms": 1e3 * med,
                          "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
-                         "floor_ms": 1e3 * floor, "wall_s": time.perf_counter() - t0})
+                         "floor_ms": 1e3 * floor if floor else None,
+                         "wall_s": time.perf_counter() - t0})
             say(f"{engine} at {context}: {BATCH / med:.1f} tokens/s (step {1e3 * med:.1f} ms, "
                 f"{1e3 * min(seconds):.1f} to {1e3 * max(seconds):.1f}); floor "
                 f"{1e3 * floor:.1f} ms")
@@ -247,12 +252,12 @@ def decode_rows(args, model, config, params) -> list[dict]:
     return rows
 
 
-def run_engine(engine, model, config, params, layers, first, context, steps):
+def run_engine(engine, model, config, params, layers, first, context, steps, device):
     if engine.startswith("transformers"):
-        return hf_engine(model, layers, first, context, steps, engine.split()[-1])
+        return hf_engine(model, layers, first, context, steps, engine.split()[-1], device)
     backend = engine.split()[1]
     return ci_engine(config, params, layers, first, context, steps, backend,
-                     compiled=engine.endswith(("compiled", "jit")))
+                     compiled=engine.endswith(("compiled", "jit")), device=device)
 
 
 # -- a long prefill's memory ----------------------------------------------------------------
@@ -330,6 +335,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M-Instruct")
     p.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (a GPU: NumPy is left out, and no floor is drawn)")
     p.add_argument("--one-prefill", nargs=2, metavar=("BACKEND", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one_prefill:
@@ -337,6 +344,9 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.contexts, args.steps, args.prefill = [1024], 4, []
+    if args.device != "cpu":
+        args.engines = [e for e in args.engines if e != "cacheidx numpy"]
+        args.prefill = []
     import torch
 
     torch.set_num_threads(1)
@@ -362,7 +372,7 @@ def main(argv=None) -> int:
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
         print(f"| {r['context']} | {r['engine']} | {r['tokens_per_s']:.1f} | {ratio} | "
               f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) | "
-              f"{r['floor_ms']:.1f} | {'yes' if r.get('same_tokens', True) else 'no'} |")
+              f"{r['floor_ms'] or 0:.1f} | {'yes' if r.get('same_tokens', True) else 'no'} |")
     memory = prefill_memory(args) if args.prefill else []
     if memory:
         print("\nOne layer's prefill (batch 1, 9 query and 3 kv heads of 64, float32): peak "

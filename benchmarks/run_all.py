@@ -258,7 +258,7 @@ def plots(stem: str, data, img: Path) -> list[str]:
                          if r["engine"] == engine)
             ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine,
                     ls="--" if engine.startswith("transformers") else "-")
-        floor = sorted({(r["context"], r["floor_ms"]) for r in decode if "floor_ms" in r})
+        floor = sorted({(r["context"], r["floor_ms"]) for r in decode if r.get("floor_ms")})
         if floor:
             ax.plot([c for c, _ in floor], [data.get("batch", 8) * 1e3 / f for _, f in floor],
                     color="#999999", ls=":", label="memory-bandwidth bound")

@@ -11,6 +11,8 @@
 #   conformance.json       the law suite on every backend and device, highest precision
 #   conformance-default.json  the same on the GPUs under each library's default precision
 #   extend.json, decode.json  the GPU benchmarks (benchmarks/gpu_extend.py, gpu_decode.py)
+#   long_context.json      attend at 4k and 16k tokens against transformers' static cache
+#                          (benchmarks/long_context.py --device cuda)
 #   log.txt                everything printed
 # ARGS go to both conformance runs (e.g. --backend torch). It never stops at a failing step:
 # every step runs and the exit status is the first failure's.
@@ -67,6 +69,8 @@ EOF
         --precision default --json "$out/conformance-default.json" "$@"
     step extend 150 "$PYTHON" benchmarks/gpu_extend.py --json "$out/extend.json"
     step decode 150 "$PYTHON" benchmarks/gpu_decode.py --json "$out/decode.json"
+    step long-context 240 "$PYTHON" benchmarks/long_context.py --device cuda \
+        --contexts 4096 16384 --steps 8 --json "$out/long_context.json"
     echo "== done: status $status, files in $out"
     return "$status"
 }
