@@ -9,7 +9,7 @@ transformers passes a decoder's extra forward keywords down to its attention fun
 function registered here reads the call's cache index and the pools from them and attends
 with ``index.attend`` (:mod:`.attention`), sliding layers under ``index.window(w)``
 (:func:`layer_windows`). :func:`model` wraps a model for :class:`cacheidx.serve.Engine`
-(:mod:`.model`: what it refuses and why); :func:`load` reads a ``save_pretrained`` folder or
+(:mod:`.served`: what it refuses and why); :func:`load` reads a ``save_pretrained`` folder or
 a GGUF file for ``python -m cacheidx.serve --model PATH``.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .attention import NAME, NoIndex, layer_windows, register
-from .load import Loaded, load
-from .model import TransformersModel
+from .files import Loaded, load
+from .served import TransformersModel
 
 __all__ = ["NAME", "Loaded", "NoIndex", "TransformersModel", "generate",
            "layer_windows", "load", "model", "register", "stop_ids"]
@@ -30,7 +30,7 @@ _WHERE = "cacheidx.integrations.transformers.generate"
 
 def model(hf_model: Any) -> TransformersModel:
     """``hf_model`` as a model :class:`cacheidx.serve.Engine` serves on the torch backend (see
-    :class:`~.model.TransformersModel` for its laws and what it refuses). Its attention
+    :class:`~.served.TransformersModel` for its laws and what it refuses). Its attention
     implementation becomes ``"cacheidx"`` (``.restore()`` sets it back)."""
     return TransformersModel(hf_model)
 
@@ -56,7 +56,7 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
 
     The model's attention implementation is set back when it returns. Raises ``TypeError`` or
     ``ValueError`` naming the prompt for one that is no sequence of ids or that the engine
-    cannot serve, and :class:`~.model.TransformersModel`'s errors for a model it cannot."""
+    cannot serve, and :class:`~.served.TransformersModel`'s errors for a model it cannot."""
     from ... import backends
     from ...serve import Engine, Request
     from ...serve.requests import checked

@@ -25,7 +25,7 @@ from . import attention as attn  # the module (the package exports no function b
 
 __all__ = ["TransformersModel", "shape_of"]
 
-_WHERE = "cacheidx.integrations.transformers.model"
+_WHERE = "cacheidx.integrations.transformers.model"  # (the function users call)
 
 
 def shape_of(config: Any) -> tuple[int, int, int]:
