@@ -279,6 +279,26 @@ def test_a_model_that_keeps_its_keywords_from_its_attention_is_refused():
     assert model.config._attn_implementation == "eager", "given back on refusal"
 
 
+def test_a_window_transformers_passes_against_its_mask_or_training_is_refused():
+    """Qwen2's modules keep the window they were built with: told afterwards that layer 1 is
+    full, transformers' mask and what it passes disagree, and nothing is attended. A model in
+    training mode with dropout is refused too."""
+    model = tiny("qwen2")
+    model.config.layer_types = ["full_attention", "full_attention"]
+    with pytest.raises(ValueError, match="layer 1 of Qwen2Attention is passed sliding_window=4, "
+                                         "but its mask slides by None"):
+        cit.model(model)
+    model = tiny("llama")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="in training mode with dropout 0.1; cacheidx attends "
+                                         "for inference"):
+        cit.model(model)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_a_wrapped_model_called_without_an_index_or_off_torch_says_so(served):
     model = tiny("qwen2")
     wrapped = served(model)
