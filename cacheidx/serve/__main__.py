@@ -1,9 +1,10 @@
 """``python -m cacheidx.serve REQUESTS.jsonl``: serve chat requests with SmolLM2-135M-Instruct
-through the continuous-batching engine and its prefix cache.
+(or, with ``--model PATH``, any transformers decoder) through the continuous-batching engine and
+its prefix cache.
 
-    python -m cacheidx.serve REQUESTS.jsonl [--backend B] [--device D] [--pages N]
-                             [--page-size P] [--max-new-tokens N] [--no-cache] [--json]
-                             [--lanes L] [--chunk C] [--compile | --eager]
+    python -m cacheidx.serve REQUESTS.jsonl [--model PATH] [--backend B] [--device D]
+                             [--pages N] [--page-size P] [--max-new-tokens N] [--no-cache]
+                             [--json] [--lanes L] [--chunk C] [--compile | --eager]
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
 "content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
@@ -11,6 +12,12 @@ Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"
 applies the model's chat template to the messages. Answers go to stdout (with ``--json``, one
 object: ``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and generated
 ``tokens``, and ``"figures"``); progress and a summary go to stderr.
+
+``--model PATH`` serves a transformers model by its own modeling code
+(:mod:`cacheidx.integrations.transformers`, the torch backend): ``PATH`` is a folder
+``save_pretrained`` wrote or a GGUF file. Its tokenizer's chat template makes the messages'
+ids; without a tokenizer, requests give ``"prompt_ids"``. A turn ends at its
+``generation_config.eos_token_id``.
 
 A request fails alone: a line that is no request (not JSON, a field of the wrong type or out
 of range), a token id past the model's vocabulary, more tokens than the model's context or
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -60,6 +68,17 @@ def smollm2() -> Served:
                   gguf.decode, (EOS,))
 
 
+def transformers_model(path: str) -> Served:
+    """The transformers model at ``path`` (:func:`cacheidx.integrations.transformers.load`),
+    served by its own modeling code. Raises ``ValueError`` naming the path (or what the model
+    lacks) where it cannot be served."""
+    from ..integrations import transformers as cit
+
+    loaded = cit.load(path)
+    return Served(loaded.name, cit.model(loaded.model), loaded.template, loaded.decode,
+                  tuple(sorted(cit.stop_ids(loaded.model))))
+
+
 def _positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -74,8 +93,9 @@ def _positive(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cacheidx.serve",
                                 description="Serve chat requests with SmolLM2-135M-Instruct "
-                                "through cacheidx: continuous batching over paged pools, "
-                                "prompts' prefixes read from an online prefix cache.",
+                                "(or a transformers model: --model) through cacheidx: "
+                                "continuous batching over paged pools, prompts' prefixes read "
+                                "from an online prefix cache.",
                                 epilog="A request that cannot be served (a bad line, a token "
                                 "id past the vocabulary, more tokens than the model's context "
                                 "or the pool) fails alone: its result names its line and id, "
@@ -85,8 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line: "
                    '{"id", "messages"} or {"id", "prompt_ids"}, optionally "arrival" (seconds, '
                    f"at most {LATEST:g}) and \"max_new_tokens\"; - for stdin")
-    p.add_argument("--backend", default="numpy", help="numpy, torch, jax, cupy, strict "
-                   "(default numpy)")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="a transformers model to serve instead of SmolLM2: a folder "
+                   "save_pretrained wrote, or a GGUF file (the torch backend)")
+    p.add_argument("--backend", default=None, help="numpy, torch, jax, cupy, strict "
+                   "(default numpy; torch with --model)")
     p.add_argument("--device", default=None,
                    help="cpu, gpu, cuda, gpu:N or cuda:N (default: the backend's own)")
     p.add_argument("--pages", type=_positive, default=None,
@@ -107,15 +130,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = smollm2) -> int:
-    """The command; ``served`` loads what it serves (SmolLM2; a test passes a small model)."""
+    """The command; ``served`` loads what it serves (SmolLM2; a test passes a small model),
+    unless ``--model`` names a transformers model."""
     from .. import backends
     from ..models.gguf import ModelMissing
 
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.backend is None:
+        args.backend = "torch" if args.model is not None else "numpy"
     if args.backend not in backends.names():
         parser.error(f"argument --backend: no backend named {args.backend!r}; registered: "
                      f"{', '.join(backends.names())}")
+    if args.model is not None:
+        if args.backend != "torch":
+            parser.error(f"argument --backend: --model serves a transformers model on the "
+                         f"torch backend, not {args.backend}")
+        path = args.model
+        served = functools.partial(transformers_model, path)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -137,8 +169,14 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
     say("loading the model ...")
     try:
         what = served()
-    except ModelMissing as e:
+    except (ModelMissing, ImportError) as e:
         say(str(e))
+        return 2
+    except (OSError, ValueError, TypeError) as e:
+        if args.model is None:
+            raise
+        # no model at the path, or one cacheidx cannot serve: said, as bad usage
+        say(f"cacheidx.serve: cannot serve {args.model}: {type(e).__name__}: {e}")
         return 2
     lines = read_requests(text.splitlines(), what.template, max_new_tokens=args.max_new_tokens,
                           stop=what.stop, latest=LATEST)

@@ -1,0 +1,86 @@
+"""Hugging Face transformers decoders served through the index, by their own modeling code.
+
+    from cacheidx.integrations import transformers as cit
+    cit.register()                         # "cacheidx", in transformers' AttentionInterface
+    engine = Engine(cit.model(hf_model), backend="torch", pages=512)
+    cit.generate(hf_model, prompts, max_new_tokens=16)   # greedy tokens through the Engine
+
+transformers passes a decoder's extra forward keywords down to its attention function; the
+function registered here reads the call's cache index and the pools from them and attends
+with ``index.attend`` (:mod:`.attention`), sliding layers under ``index.window(w)``
+(:func:`layer_windows`). :func:`model` wraps a model for :class:`cacheidx.serve.Engine`
+(:mod:`.served`: what it refuses and why); :func:`load` reads a ``save_pretrained`` folder or
+a GGUF file for ``python -m cacheidx.serve --model PATH``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .attention import NAME, NoIndex, layer_windows, register
+from .files import Loaded, load
+from .served import TransformersModel
+
+__all__ = ["NAME", "Loaded", "NoIndex", "TransformersModel", "generate",
+           "layer_windows", "load", "model", "register", "stop_ids"]
+
+_WHERE = "cacheidx.integrations.transformers.generate"
+
+
+def model(hf_model: Any) -> TransformersModel:
+    """``hf_model`` as a model :class:`cacheidx.serve.Engine` serves on the torch backend (see
+    :class:`~.served.TransformersModel` for its laws and what it refuses). Its attention
+    implementation becomes ``"cacheidx"`` (``.restore()`` sets it back)."""
+    return TransformersModel(hf_model)
+
+
+def stop_ids(hf_model: Any) -> frozenset[int]:
+    """The ids that end a generation: the model's ``generation_config.eos_token_id`` (one id or
+    several; none where it has none)."""
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+
+
+def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
+             page_size: int = 16, pages: int | None = None, cache: bool = True,
+             **engine_options: Any) -> list[list[int]]:
+    """Greedy tokens of each prompt (a sequence of token ids) through
+    :class:`cacheidx.serve.Engine` on the torch backend, on ``hf_model``'s device: paged pools
+    of ``pages`` pages of ``page_size`` tokens (``None``: every prompt's pages), prompts'
+    prefixes read from the prefix cache (``cache``), chunked prefill and continuous batching
+    (``engine_options``: ``lanes``, ``chunk``, ``compile``, ...). A prompt stops after
+    ``max_new_tokens`` tokens or at an id of :func:`stop_ids` (kept).
+
+    The model's attention implementation is set back when it returns. Raises ``TypeError`` or
+    ``ValueError`` naming the prompt for one that is no sequence of ids or that the engine
+    cannot serve, and :class:`~.served.TransformersModel`'s errors for a model it cannot."""
+    from ... import backends
+    from ...serve import Engine, Request
+    from ...serve.requests import checked
+
+    stop = stop_ids(hf_model)
+    requests = []
+    for k, prompt in enumerate(prompts):
+        try:
+            fields = checked(prompt, max_new_tokens, 0.0, stop)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{_WHERE}: prompt {k}: {e}") from None
+        requests.append(Request(k, **fields))
+    if pages is None:
+        pages = max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // page_size)
+                           for r in requests))
+    served = model(hf_model)
+    try:
+        device = backends.get("torch").device_label(next(hf_model.parameters()).device)
+        engine = Engine(served, backend="torch", device=engine_options.pop("device", device),
+                        pages=pages, page_size=page_size, cache=cache, **engine_options)
+        results = engine.run(requests)
+    finally:
+        served.restore()
+    for k, r in enumerate(results):
+        if r.error is not None:
+            raise ValueError(f"{_WHERE}: prompt {k} failed: {r.error}")
+    return [list(r.tokens) for r in results]

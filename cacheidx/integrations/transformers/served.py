@@ -1,0 +1,157 @@
+"""A transformers decoder as a :class:`cacheidx.serve` model: its own modeling code, attending
+through the index with the ``"cacheidx"`` attention function (:mod:`.attention`).
+
+Laws:
+
+1. ``forward(weights, tokens, index, pools)`` is one call of the transformers model: its tokens,
+   the index's positions as ``position_ids``, no transformers cache, the last token's logits
+   only; every layer attends over its own pools (``[slots, kv_heads, head_dim]``, the model's
+   dtype, one key and one value pool a layer) and the pools it wrote come back.
+2. A model that cannot be served is refused when it is wrapped, with a ``ValueError`` naming
+   the model and what it lacks: an encoder or encoder-decoder (no causal decoder), multi-head
+   latent attention (it caches a latent, not keys and values per head), a kind of layer other
+   than full and sliding attention, and a forward that does not pass its keyword arguments
+   down to its attention function or attends outside transformers' ``AttentionInterface``
+   (found by one token's call through a one-slot pool).
+3. Wrapping sets the model's attention implementation to ``"cacheidx"``; transformers' own
+   ``generate`` on it then raises (:class:`~.attention.NoIndex`) until it is set back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import attention as attn  # the module (the package exports no function by that name)
+
+__all__ = ["TransformersModel", "shape_of"]
+
+_WHERE = "cacheidx.integrations.transformers.model"  # (the function users call)
+
+
+def shape_of(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a decoder's config: what its pools hold."""
+    c = attn.text_config(config)
+    heads = int(c.num_attention_heads)
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
+    return int(c.num_hidden_layers), int(kv), int(head_dim)
+
+
+class TransformersModel:
+    """``hf_model`` (a transformers ``PreTrainedModel`` that generates) served by the engine on
+    the torch backend, on the device the engine names. ``vocab`` is its vocabulary's size,
+    ``context`` its ``max_position_embeddings`` (the engine refuses a longer request),
+    ``windows`` each layer's sliding window (:func:`~.attention.layer_windows`).
+
+    Raises ``TypeError`` for anything but a transformers model, ``ValueError`` for one it
+    cannot serve (law 2)."""
+
+    def __init__(self, hf_model: Any):
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            raise ImportError(f"{_WHERE}: needs transformers (pip install transformers)") from None
+        if not isinstance(hf_model, PreTrainedModel):
+            raise TypeError(f"{_WHERE}: expected a transformers PreTrainedModel, got "
+                            f"{type(hf_model).__name__}")
+        self.hf = hf_model
+        self.name = type(hf_model).__name__
+        refused(hf_model)
+        self.windows = attn.layer_windows(hf_model.config)
+        self.layers, self.kv_heads, self.head_dim = shape_of(hf_model.config)
+        config = attn.text_config(hf_model.config)
+        self.vocab = int(config.vocab_size)
+        self.context = getattr(config, "max_position_embeddings", None)
+        self.previous = hf_model.config._attn_implementation
+        hf_model.set_attn_implementation(attn.register())
+        if hf_model.config._attn_implementation != attn.NAME:
+            raise ValueError(f"{_WHERE}: {self.name} cannot set its attention implementation "
+                             "(it does not attend through transformers' AttentionInterface)")
+        self._probe()
+
+    def place(self, xp: Any, device: Any) -> Any:
+        """The model moved to ``device``; its parameters (what a compiled step keeps at one
+        address: the module reads them itself). Raises ``ValueError`` for a namespace other
+        than torch's."""
+        import array_api_compat
+
+        if not array_api_compat.is_torch_namespace(xp):
+            raise ValueError(f"{_WHERE}: a transformers model runs on the torch backend, not "
+                             f"{getattr(xp, '__name__', xp)}")
+        self.hf.to(device)
+        return dict(self.hf.named_parameters())
+
+    def pools(self, weights: Any, slots: int) -> Any:
+        """One ``(keys, values)`` pair of zeros a layer, ``[slots, kv_heads, head_dim]``, in the
+        model's dtype on its device."""
+        import torch
+
+        p = next(self.hf.parameters())
+        shape = (slots, self.kv_heads, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.hf.dtype, device=p.device),
+                 torch.zeros(shape, dtype=self.hf.dtype, device=p.device))
+                for _ in range(self.layers)]
+
+    def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
+        """``(logits [batch, vocab], pools)``: law 1."""
+        import torch
+
+        written = list(pools)
+        with torch.no_grad():  # compiled too: pools that required grad would be a new program
+            out = self.hf(input_ids=tokens, position_ids=index.positions(), use_cache=False,
+                          logits_to_keep=1, **{attn.INDEX: index, attn.POOLS: written})
+        return out.logits[:, -1, :], written
+
+    def restore(self) -> None:
+        """Sets the model's attention implementation back to what it was before (law 3)."""
+        self.hf.set_attn_implementation(self.previous)
+
+    def _probe(self) -> None:
+        """One token through a one-slot pool a layer: every layer's attention must get the
+        index from the forward's keywords and write its pools (law 2)."""
+        import torch
+
+        import cacheidx as ci
+
+        device = next(self.hf.parameters()).device
+        pools = self.pools(None, 1)
+        index = ci.rows(1, [1], xp="torch", device=device)
+        tokens = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        try:
+            _, written = self.forward(None, tokens, index, pools)
+            missing = [i for i in range(self.layers) if written[i] is pools[i]]
+        except attn.NoIndex:
+            self.restore()
+            raise ValueError(f"{_WHERE}: {self.name}'s forward does not pass its keyword "
+                             "arguments down to its attention function, so no layer gets "
+                             "the cache index") from None
+        except BaseException:
+            self.restore()
+            raise
+        if missing:
+            self.restore()
+            raise ValueError(f"{_WHERE}: layers {missing} of {self.name} never called the "
+                             f"attention function {attn.NAME!r}: they attend outside "
+                             "transformers' AttentionInterface")
+
+
+def refused(hf_model: Any) -> None:
+    """Raises ``ValueError`` naming what ``hf_model`` lacks where it is no causal decoder
+    cacheidx can serve (law 2, before any call)."""
+    name = type(hf_model).__name__
+    config = attn.text_config(hf_model.config)
+    if getattr(hf_model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{_WHERE}: {name} is an encoder-decoder; cacheidx serves causal "
+                         "decoders (a decoder's self-attention over its own pools)")
+    if not hf_model.can_generate():
+        raise ValueError(f"{_WHERE}: {name} cannot generate (an encoder, or a model without "
+                         "a language-model head); cacheidx serves causal decoders")
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        if getattr(config, key, None) is not None:
+            raise ValueError(f"{_WHERE}: {name} uses multi-head latent attention "
+                             f"(config.{key} = {getattr(config, key)}): it caches a compressed "
+                             "latent, and cacheidx's pools hold keys and values per kv head")
+    for path, module in hf_model.named_modules():
+        if hasattr(module, "layer_idx") and getattr(module, "is_causal", True) is False:
+            raise ValueError(f"{_WHERE}: {name}'s {path} attends both ways (is_causal is "
+                             "False): an encoder's attention; cacheidx serves causal decoders")
