@@ -487,12 +487,17 @@ def test_decoding_64_steps_compiles_once(decoder, compiler):
             tokens = (tokens * 7 + t) % vocab
             want, theirs = step(tokens, index, theirs)
             got, mine = fast(tokens, index, mine)
-            if compiler == "counting":
+            if compiler == "counting" and decoder == "tiny":
                 same(got, want)
-            else:  # fused kernels may round differently; the pools hold copies, exactly
+            else:  # fused kernels may round differently, and eager attend reads runs of
+                # slots as views where a traced one tiles (sums in another order)
                 torch.testing.assert_close(got, want)
-            for g, w in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs), strict=True):
-                same(g, w)
+            if decoder == "tiny":  # the pools hold copies, exactly
+                for g, w in zip(pytree.tree_leaves(mine), pytree.tree_leaves(theirs),
+                                strict=True):
+                    same(g, w)
+            else:  # a layer's keys come from the one before: within rounding, as its output
+                torch.testing.assert_close(mine, theirs)
     assert counting.compiles == (compiler == "counting")
     assert counters["stats"]["unique_graphs"] == 1
     assert dict(counters["graph_break"]) == {}
