@@ -23,7 +23,7 @@ from cacheidx.attention import runs as runs_module
 from cacheidx.attention import tiles
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-law = settings(max_examples=600 if CI else 150, deadline=None,
+law = settings(max_examples=300 if CI else 100, deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
 KV, D = 2, 3
@@ -112,7 +112,7 @@ def _reads_a_blank(seen, mask):
     return (mask & nan).any(axis=-1)
 
 
-@law
+@settings(law, max_examples=150 if CI else 50)
 @given(call=calls(kinds=("make", "rows")))
 def test_views_of_runs_and_tiles_give_one_output(call):
     """Where the eager path reads runs of slots as views, the tiles give the same output."""
