@@ -113,9 +113,10 @@ def _reads_a_blank(seen, mask):
 
 
 @settings(law, max_examples=150 if CI else 50)
-@given(call=calls(kinds=("make", "rows")))
+@given(call=calls(kinds=("rows",)))
 def test_views_of_runs_and_tiles_give_one_output(call):
-    """Where the eager path reads runs of slots as views, the tiles give the same output."""
+    """Where the eager path reads runs of slots as views, the tiles give the same output
+    (``rows`` gives runs; a random table seldom does, and the other law covers it)."""
     case, (q, k, v, kpool, vpool), options = call
     index = build(ci, case)
     options["tile"] = options["tile"] or 3
