@@ -193,3 +193,25 @@ def test_a_bad_argument_raises_naming_attend_and_stores_nothing(bad, error, word
     assert "cacheidx.attend" in str(e.value) and words in str(e.value), str(e.value)
     for name, old in zip(("kpool", "vpool"), before):
         np.testing.assert_array_equal(np.asarray(args[name]), old)
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax"])
+def test_without_donation_the_callers_pools_are_unchanged(name):
+    """attend with donate=False stores into new pools, as extend does; donated, NumPy and
+    torch store into the caller's memory."""
+    backend = ci.backends.get(name) if name in ci.backends.available() else None
+    if backend is None:
+        pytest.skip(f"{name} is not installed")
+    xp = backend.xp
+    index = ci.rows(4, [2, 3], xp=name)
+    rng = np.random.default_rng(0)
+    q, k, v = (xp.asarray(rng.standard_normal(s, dtype=np.float32))
+               for s in ((2, 3, 4, 8), (2, 3, 2, 8), (2, 3, 2, 8)))
+    kpool, vpool = xp.zeros((8, 2, 8)), xp.ones((8, 2, 8))
+    _, k2, v2 = index.attend(q, k, v, kpool, vpool)
+    assert np.all(np.asarray(kpool) == 0) and np.all(np.asarray(vpool) == 1)
+    assert not np.all(np.asarray(k2) == 0)
+    _, k3, _ = index.attend(q, k, v, kpool, vpool, donate=True)
+    np.testing.assert_array_equal(np.asarray(k3), np.asarray(k2))
+    if backend.donates and name != "jax":  # JAX gives the donated buffer up, not back
+        assert backend.wrote_in_place(kpool, k3)
