@@ -207,7 +207,7 @@ def test_without_donation_the_callers_pools_are_unchanged(name):
     rng = np.random.default_rng(0)
     q, k, v = (xp.asarray(rng.standard_normal(s, dtype=np.float32))
                for s in ((2, 3, 4, 8), (2, 3, 2, 8), (2, 3, 2, 8)))
-    kpool, vpool = xp.zeros((8, 2, 8)), xp.ones((8, 2, 8))
+    kpool, vpool = xp.zeros((8, 2, 8), dtype=xp.float32), xp.ones((8, 2, 8), dtype=xp.float32)
     _, k2, v2 = index.attend(q, k, v, kpool, vpool)
     assert np.all(np.asarray(kpool) == 0) and np.all(np.asarray(vpool) == 1)
     assert not np.all(np.asarray(k2) == 0)
