@@ -118,7 +118,6 @@ def standard(call: Call) -> Any:
     index, q = call.index, call.q
     state = Online.start(index.xp, q, call.layout, int(call.vpool.shape[-1]),
                          int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap)
-    state.split = not index.backend.tracing(index.pos)
     for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.columns):
         state.add(*t)
     return state.result(call.sinks)

@@ -137,9 +137,10 @@ class Online:
     acc: Any = None
     #: whether some query may have seen no column (a mask came): ``l`` may then be zero
     masked: bool = False
-    #: one product per kv head where a tile's lanes and heads do not fold into one batch
-    #: (eagerly: a library would copy the tile to fold them); traced, one product, which a
-    #: compiler lays out itself and traces in fewer steps
+    #: one product per kv head where a tile's lanes and heads do not fold into one batch: a
+    #: library (or torch's compiler) would copy the tile to fold them, where a product per
+    #: head reads it in place (a compiled torch decode at 1k tokens: 17 ms a step, 37 with
+    #: one product)
     split: bool = True
 
     @classmethod
