@@ -235,8 +235,10 @@ def decode_rows(args, model, config, params) -> list[dict]:
             med = statistics.median(seconds)
             rows.append({"context": context, "engine": engine,
                          "tokens_per_s": BATCH / med, "step_ms": 1e3 * med,
+                         "read_gb_per_s": (wbytes + cache_bytes) / med / 1e9,
                          "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
                          "floor_ms": 1e3 * floor if floor else None,
+                         "floor_bw_gb": bw / 1e9 if floor else 0.0,
                          "wall_s": time.perf_counter() - t0})
             say(f"{engine} at {context}: {BATCH / med:.1f} tokens/s (step {1e3 * med:.1f} ms, "
                 f"{1e3 * min(seconds):.1f} to {1e3 * max(seconds):.1f}); floor "
@@ -362,17 +364,20 @@ def main(argv=None) -> int:
         name = "SmolLM2-135M's shape, 2 layers, vocabulary 4,096 (random weights)"
     rows = decode_rows(args, model, config, params)
     print(f"Decode, {name}: batch {BATCH}, {args.steps} steps after one to warm up, one "
-          "thread; tokens/s over the median step, and the fastest and slowest step.\n")
+          "thread; tokens/s over the median step, and the fastest and slowest step. The floor "
+          "is the weights and the cache a step reads over the machine's one-thread bandwidth "
+          f"({rows[0]['floor_bw_gb'] if rows else 0:.1f} GB/s).\n")
     print("| context | engine | tokens/s | vs transformers static | step ms (fastest-slowest) "
-          "| floor ms | same tokens |")
-    print("|---:|---|---:|---:|---|---:|---|")
+          "| floor ms | bytes read / step time | same tokens |")
+    print("|---:|---|---:|---:|---|---:|---:|---|")
     for r in rows:
         ref = next((x for x in rows if x["context"] == r["context"]
                     and x["engine"] == "transformers static"), None)
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
         print(f"| {r['context']} | {r['engine']} | {r['tokens_per_s']:.1f} | {ratio} | "
               f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) | "
-              f"{r['floor_ms'] or 0:.1f} | {'yes' if r.get('same_tokens', True) else 'no'} |")
+              f"{r['floor_ms'] or 0:.1f} | {r['read_gb_per_s']:.1f} GB/s | "
+              f"{'yes' if r.get('same_tokens', True) else 'no'} |")
     memory = prefill_memory(args) if args.prefill else []
     if memory:
         print("\nOne layer's prefill (batch 1, 9 query and 3 kv heads of 64, float32): peak "
