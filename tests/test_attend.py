@@ -215,3 +215,18 @@ def test_without_donation_the_callers_pools_are_unchanged(name):
     np.testing.assert_array_equal(np.asarray(k3), np.asarray(k2))
     if backend.donates and name != "jax":  # JAX gives the donated buffer up, not back
         assert backend.wrote_in_place(kpool, k3)
+
+
+def test_a_long_view_read_in_chunks_gives_what_it_gives_whole(monkeypatch):
+    """A run longer than ``LONG`` bytes is weighed a chunk at a time: the same output."""
+    rng = np.random.default_rng(1)
+    index = ci.rows(300, [290, 299]).advance().window(250)
+    q = rng.standard_normal((2, 1, 4, D)).astype(np.float32)
+    k = rng.standard_normal((2, 1, KV, D)).astype(np.float32)
+    kpool, vpool = (rng.standard_normal((600, KV, D)).astype(np.float32) for _ in range(2))
+    whole, _, _ = index.attend(q, k, k, kpool.copy(), vpool.copy())
+    monkeypatch.setattr(runs_module, "LONG", 64 * KV * D * 4)
+    monkeypatch.setattr(runs_module, "CHUNK", 48 * KV * D * 4)  # chunks of 64 columns
+    chunked, _, _ = ci.rows(300, [290, 299]).advance().window(250).attend(
+        q, k, k, kpool.copy(), vpool.copy())
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)

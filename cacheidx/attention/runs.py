@@ -38,6 +38,9 @@ __all__ = ["read"]
 ROWS = 256
 #: the most runs a lane may hold for views to pay: past it, the tiles' batched reads win
 MOST_RUNS = 16
+#: bytes of a view's keys past which its products read it in chunks (:attr:`Online.chunk`),
+#: and the bytes of a chunk: about what a core's caches keep between a chunk's products
+LONG, CHUNK = 4 << 20, 1 << 20
 
 
 class _Piece(NamedTuple):
@@ -156,6 +159,9 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype)
+        row = int(kpool.shape[1]) * int(kpool.shape[2]) * _bytes(xp, kpool.dtype)
+        if max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
+            state.chunk = max(64, CHUNK // row)
         part = None
         for c0, c1, s0, full in pieces:
             mask = None
@@ -167,3 +173,9 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
             state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
         parts.append(state.normalised(call.sinks))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=3)
+
+
+def _bytes(xp: Any, dtype: Any) -> int:
+    """Bytes an element of ``dtype`` takes."""
+    info = xp.finfo(dtype) if xp.isdtype(dtype, "real floating") else xp.iinfo(dtype)
+    return info.bits // 8
