@@ -40,7 +40,7 @@ ROWS = 256
 MOST_RUNS = 16
 #: bytes of a view's keys past which its products read it in chunks (:attr:`Online.chunk`),
 #: and the bytes of a chunk: about what a core's caches keep between a chunk's products
-LONG, CHUNK = 4 << 20, 1 << 20
+LONG, CHUNK = 4 << 20, 2 << 20
 
 
 class _Piece(NamedTuple):
