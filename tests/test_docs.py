@@ -71,3 +71,29 @@ def test_a_missing_benchmark_is_said_missing():
     assert "`benchmarks/decode.py` is not in this checkout: not measured." in text
     failed = {"rc": 2, "seconds": 1.0, "output": ["boom"], "data": None, "command": "x"}
     assert "**This benchmark failed**" in run_all.page([("x.py", "x", failed)], quick=False)
+
+
+def test_run_all_only_measures_again_and_keeps_the_other_sections(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "extend.py").write_text(FAKE)
+    (bench / "prefix.py").write_text(FAKE.replace("1.5 |", "2.5 |"))
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+
+    def run_all(*extra):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"),
+                               "--dir", str(bench), "--out", str(page), *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    assert run_all().returncode == 0
+    (bench / "extend.py").write_text(FAKE.replace("1.5 |", "9.5 |"))
+    (bench / "prefix.py").write_text(FAKE.replace("1.5 |", "7.5 |"))
+    out = run_all("--only", "prefix.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = page.read_text()
+    assert "| decode | 1.5 |" in text and "| decode | 9.5 |" not in text  # extend.py kept
+    assert "| decode | 7.5 |" in text  # prefix.py measured again
+    assert text.index("## extend.py") < text.index("## prefix.py")
+    assert text.count("python benchmarks/run_all.py") == 1
