@@ -32,12 +32,15 @@ then holds one page per group (``pages``), each of its group's pool, or none (-1
    sliding group only the pages its calls still read: ``slide(hold, first, last)``, before
    the call of positions ``first`` to ``last``, gives back every page below the call's reach
    (a cached one stays cached, read by no one; an own one is freed) and takes pages for the
-   call's positions. It never holds more at once than it reserved when admitted, the pages of
-   its longest call (``call`` tokens), so a running request never waits for a page.
-8. ``insert`` keeps, of each sliding group, the pages the hold still holds: the last window
-   of the prefix it caches. A hit needs the full group's pages of every node of the prefix
-   and, of each sliding group, the pages of its last window (``reach.hit_pages``): ``match``
-   is the longest prefix, capped as in law 2, that has both.
+   call's positions. It never holds more at once than the pages of its longest call (``call``
+   tokens), and a pool admits a request only while those of every running request fit it:
+   its holds, shared pages counted once per hold, never outgrow it, so a running request
+   never waits for a page.
+8. ``insert`` keeps, of each sliding group, the pages of the last window of the prefix it
+   caches, and one page more (what a hit one page short reads), where the hold still holds
+   them; the others stay its own, freed once below its reach. A hit needs the full group's
+   pages of every node of the prefix and, of each sliding group, the pages of its last window
+   (``reach.hit_pages``): ``match`` is the longest prefix, capped as in law 2, that has both.
 9. Law 1 holds in each group's pool. A sliding page read by no hold may be evicted alone (its
    node stays, without it); a node goes with its full page (law 4), or, without a full group,
    once it holds no page, no child and no reader.
@@ -142,8 +145,9 @@ class Hold:
 @dataclasses.dataclass(frozen=True)
 class GroupPages:
     """One group's pool, now: its ``window`` (``None``: full layers) and pages ``free``,
-    ``cached``, ``evictable`` (cached, read by no one), ``in_use`` (held by requests) and
-    ``reserved`` (free or evictable, promised to running requests' later calls)."""
+    ``cached``, ``evictable`` (cached, read by no one), ``in_use`` (held by requests) and,
+    of a sliding group, ``reserved``: the most pages each running request holds at once,
+    summed (law 7: never more than ``capacity``, and never less than ``in_use``)."""
 
     window: int | None
     capacity: int
@@ -166,7 +170,7 @@ class _Pool:
         self.fresh = 0
         self.cached = 0
         self.unread = 0  # cached pages without readers: what eviction can free
-        self.reserved = 0  # free or evictable pages promised to running holds (law 7)
+        self.reserved = 0  # the most pages each running hold holds at once, summed (law 7)
         self.heap: list[tuple[Any, int, int, CachedPage]] = []
 
     @property
@@ -342,12 +346,16 @@ class PrefixCache:
             if g == self._anchor:
                 # the matched pages without readers stop being evictable once held
                 need, losing = want - d, sum(1 for x in nodes if x.readers == 0)
-            else:
-                windows[g] = hit_pages(self.windows[g], d, self._size)
-                most[g] = min(pool.capacity, self.most_pages(g, total, longest))
-                need = most[g] - len(windows[g])
-                losing = sum(1 for k in windows[g] if nodes[k].seers[g] == 0)
-            if need > pool.free + pool.unread - pool.reserved - losing:
+                if need > pool.free + pool.unread - losing:
+                    return None
+                continue
+            windows[g] = hit_pages(self.windows[g], d, self._size)
+            most[g] = self.most_pages(g, total, longest)
+            if most[g] > pool.capacity:
+                raise PageError(f"{_WHERE}.admit: calls of {longest} tokens read up to "
+                                f"{most[g]} pages of window {self.windows[g]} at once; the "
+                                f"pool of window {self.windows[g]} has {pool.capacity}")
+            if most[g] > pool.capacity - pool.reserved:  # law 7: every hold's most fits
                 return None
         for x in nodes:
             self._read(x)
@@ -367,7 +375,7 @@ class PrefixCache:
                     pool.unread -= 1
                     x._stamps[g] += 1  # its heap entry, if any, is stale now
                 x.seers[g] += 1
-            pool.reserved += most[g] - len(windows[g])
+            pool.reserved += most[g]
             tables.append(table)
             owns.append(set())
         hold = Hold(tables[0], d * self._size, nodes, owns[0], tables=tables, owns=owns,
@@ -399,7 +407,7 @@ class PrefixCache:
             if new_top - new_low > hold.most[g]:
                 raise ValueError(f"{_WHERE}.slide: positions {first} to {last} read "
                                  f"{new_top - new_low} pages of window {self.windows[g]}; the "
-                                 f"hold reserved {hold.most[g]}")
+                                 f"hold was admitted for {hold.most[g]} at once")
             plans.append((g, low, new_low, top, new_top))
         for g, low, new_low, top, new_top in plans:
             for k in range(low, min(new_low, top)):
@@ -407,7 +415,6 @@ class PrefixCache:
             start = max(top, new_low)
             if new_top > start:
                 got = self._alloc(g, new_top - start)
-                self._pools[g].reserved -= len(got)
                 hold.tables[g][start:new_top] = got
                 hold.owns[g].update(got)
             hold.low[g], hold.top[g] = new_low, new_top
@@ -416,9 +423,9 @@ class PrefixCache:
     def insert(self, hold: Hold, tokens: Sequence[int] | np.ndarray) -> int:
         """Laws 5 and 8: the whole pages of ``tokens`` (the hold's sequence, written up to its
         end) past those the hold already reads from the tree, into the tree, with the pages
-        of each sliding group the hold still holds. Returns how many of the hold's pages
-        became cached. Raises ``ValueError`` if the tokens need more pages than the hold has
-        or do not start with the pages it matched."""
+        of each sliding group's last window that the hold still holds. Returns how many of the
+        hold's pages became cached. Raises ``ValueError`` if the tokens need more pages than
+        the hold has or do not start with the pages it matched."""
         self._live(hold, "insert")
         data = _bytes("insert", tokens)
         full = len(data) // 8 // self._size
@@ -432,6 +439,10 @@ class PrefixCache:
                                  f"the hold reads from the cache")
         parent = hold.nodes[-1] if hold.nodes else self._root
         added, a = 0, self._anchor
+        # law 8: of a sliding group, the pages a hit at the prefix's end, or one page short
+        # of it (a prompt of whole pages is matched one page short), reads
+        keep = {g: hit_pages(self.windows[g], max(0, full - 1), self._size).start
+                for g in self._sliding}
         for k in range(len(hold.nodes), full):
             key = data[k * width : (k + 1) * width]
             node = parent.children.get(key)
@@ -448,7 +459,8 @@ class PrefixCache:
             else:  # cached meanwhile by another request: the hold keeps its own copy
                 self._read(node)
             for g in self._sliding:
-                added += self._adopt(hold, node, g, k)
+                if k >= keep[g]:
+                    added += self._adopt(hold, node, g, k)
             hold.nodes.append(node)
             parent = node
         return added
@@ -506,7 +518,6 @@ class PrefixCache:
         page = hold.tables[g][k]
         hold.tables[g][k] = -1
         pool = self._pools[g]
-        pool.reserved += 1
         if k < len(hold.nodes) and hold.nodes[k].pages[g] == page:
             x = hold.nodes[k]
             x.seers[g] -= 1
@@ -644,7 +655,7 @@ class PrefixCache:
                         seers[id(hold.nodes[k]), g] += 1
                     else:
                         assert table[k] in hold.owns[g], "a held page is neither own nor read"
-                reserved[g] += hold.most[g] - hold.held(g)
+                reserved[g] += hold.most[g]
                 assert hold.held(g) <= hold.most[g]
         stack = list(self._root.children.values())
         while stack:
@@ -659,7 +670,8 @@ class PrefixCache:
             assert len(seen[g]) == pool.fresh, f"{pool.fresh - len(seen[g])} pages leaked"
             assert cached[g] == pool.cached and unread[g] == pool.unread
             assert reserved[g] == pool.reserved, f"group {g} reserves {pool.reserved}"
-            assert pool.reserved <= pool.free + pool.unread, "a reservation cannot be met"
+            if g != self._anchor:
+                assert pool.capacity - pool.free - pool.unread <= pool.reserved <= pool.capacity
 
 
 def _windows(windows: Any) -> tuple[int | None, ...]:

@@ -240,8 +240,10 @@ class Scheduler:
             return True
         n = len(lane.data)
         last = n - ((n - lane.done - 1) % self.chunk + 1)  # where its last chunk starts
-        return all(hit_pages(self.windows[g], depth, self.P).start
-                   >= first_page(self.windows[g], last, self.P) for g in self._sliding)
+        end = max(0, n // self.P - 1)  # insert keeps a hit's window at its end, or one short
+        return all(hit_pages(w, depth, self.P).start
+                   >= max(first_page(w, last, self.P), hit_pages(w, end, self.P).start)
+                   for w in (self.windows[g] for g in self._sliding))
 
     def _place(self, lane: Lane) -> None:
         size = len(lane.hold.pages) * self.P
