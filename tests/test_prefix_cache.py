@@ -386,6 +386,33 @@ def test_bad_groups_name_the_function_and_the_value(call, error, message):
         call()
 
 
+def test_a_kept_window_is_cached_where_the_last_window_alone_is_not():
+    """Window 2, pages of 1: told to keep the window a hit at 2 pages reads (page 1: the next
+    token reads positions 1 and 2), the hold keeps it past its reach, and once it caches its
+    prompt a prompt sharing 2 pages reads them; one sharing 3 finds page 2 gone and reads 2.
+    A pool without room for the kept pages, or a hold that gave them back, refuses, changing
+    nothing."""
+    cache = PrefixCache(8, 1, windows=(2,))
+    hold = cache.admit([1, 2, 3, 4, 5, 6], 6, call=1)
+    assert cache.keep(hold, 2) and hold.most[0] == 2 + 1
+    for first in range(6):
+        cache.slide(hold, first, first)
+    assert list(hold.kept[0]) == [1] and hold.held(0) == 3
+    cache.insert(hold, [1, 2, 3, 4, 5, 6])
+    cache.release(hold)
+    cache.check()
+    assert cache.match([1, 2, 9]).tokens == 2 and cache.match([1, 2, 3, 9]).tokens == 2
+    assert cache.match([1, 2, 3, 4, 5, 9]).tokens == 5
+    small = PrefixCache(2, 1, windows=(2,))
+    hold = small.admit([1, 2, 3, 4], 4, call=1)
+    assert not small.keep(hold, 2) and small.group(0).reserved == 2
+    for first in range(3):
+        small.slide(hold, first, first)  # page 0 given back at position 2
+    assert not small.keep(hold, 1) and hold.most[0] == 2
+    small.release(hold)
+    small.check()
+
+
 def test_a_call_past_the_holds_reservation_is_refused_changing_nothing():
     cache = PrefixCache(8, 2, windows=(4,))
     hold = cache.admit(list(range(12)), 12, call=2)  # at most 3 pages at once
@@ -408,8 +435,8 @@ windowed = st.sampled_from([(None, 2), (3,), (None, 1, 3), (2, 4)])
        data=st.data())
 def test_random_lives_with_windows_never_give_away_a_page_in_use(windows, size, extra, call,
                                                                  requests, data):
-    """Requests start, compute their prompts in calls of ``call`` tokens and then decode,
-    cache and end in a random order
+    """Requests start, compute their prompts in calls of ``call`` tokens and then decode, are
+    told to keep a window (law 10), cache and end in a random order
     over pools from one window up: after each step every page is in one place and the
     reservations add up (check); a page a live request reads, cached or its own, still holds
     the tokens it was written with; nothing leaks at the end."""
@@ -430,11 +457,18 @@ def test_random_lives_with_windows_never_give_away_a_page_in_use(windows, size, 
                     assert content.get((g, table[k])) == want, f"group {g} page {table[k]}"
 
     while waiting or live:
-        choices = [("start", r) for r in waiting[:1]] + [("next", r) for r in live]
+        choices = [("start", r) for r in waiting[:1]] + [("next", r) for r in live] + \
+            [("keep", r) for r in live]
         kind, r = data.draw(st.sampled_from(choices))
         prompt, gen = requests[r]
         seq = list(prompt) + list(gen)
-        if kind == "start":
+        if kind == "keep":  # another request will read the window at some depth
+            hold = live[r][0]
+            depth = data.draw(st.integers(1, len(hold.pages)))
+            before = [cache.group(g).reserved for g in range(len(windows))]
+            if not cache.keep(hold, depth):
+                assert [cache.group(g).reserved for g in range(len(windows))] == before
+        elif kind == "start":
             if None in windows and -(-len(seq) // size) > pages:
                 with pytest.raises(PageError):
                     cache.admit(prompt, len(seq), call=call)

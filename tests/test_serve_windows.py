@@ -175,6 +175,20 @@ def test_a_prefix_whose_window_was_not_kept_is_computed_again():
     check_no_leak(engine)
 
 
+def test_requests_sharing_a_prompt_longer_than_the_window_read_it_where_they_part():
+    """Window 4, pages of 2: ``a`` and ``b`` arrive together and share a 20-token stem, then
+    9 and 5 tokens of their own. ``b`` waits while ``a`` computes and keeps the window where
+    they part (its last window would not hold it), then reads the whole stem."""
+    model = WindowedLedger([None, 4])
+    stem = [(5 * i + 2) % 40 for i in range(20)]
+    a, b = stem + [1] * 9, stem + [2] * 5
+    engine = Engine(model, pages=32, page_size=2, lanes=2, chunk=4, clock="steps", debug=True)
+    results = engine.run([Request("a", a, 3), Request("b", b, 3)])
+    assert [r.tokens for r in results] == [model.alone(a, 3), model.alone(b, 3)]
+    assert [r.cached_tokens for r in results] == [0, 20]
+    check_no_leak(engine)
+
+
 def test_a_pool_too_small_for_one_window_is_refused_naming_the_numbers():
     model = WindowedLedger([None, 8, 8])
     with pytest.raises(ValueError, match=r"cacheidx.serve.Engine: the pool of the 2 layers of "

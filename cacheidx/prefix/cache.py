@@ -44,6 +44,11 @@ then holds one page per group (``pages``), each of its group's pool, or none (-1
 9. Law 1 holds in each group's pool. A sliding page read by no hold may be evicted alone (its
    node stays, without it); a node goes with its full page (law 4), or, without a full group,
    once it holds no page, no child and no reader.
+10. ``keep(hold, depth)`` makes a hold keep, past its reach, its own pages of the window a hit
+    at ``depth`` pages reads, until ``insert`` caches them (read by no one): a prefix another
+    request is known to share keeps its window where the two part. The pages count among the
+    hold's most; a pool that cannot hold them beside every running request's most, or a
+    hold that gave some back already, refuses (``False``).
 
 An operation that cannot be done raises :class:`~cacheidx.prefix.PageError` or a
 ``ValueError`` and changes nothing; ``admit`` returns ``None`` when the pages are not there
@@ -134,12 +139,16 @@ class Hold:
     top: list[int] = dataclasses.field(default_factory=list, repr=False)
     #: per sliding group, the most pages it holds at once (reserved when admitted, law 7)
     most: list[int] = dataclasses.field(default_factory=list, repr=False)
+    #: per sliding group, the pages to keep past its reach (law 10), and those kept: page k
+    #: of its sequence -> its page of the pool
+    keeps: list[set[int]] = dataclasses.field(default_factory=list, repr=False)
+    kept: list[dict[int, int]] = dataclasses.field(default_factory=list, repr=False)
 
     def held(self, group: int = 0) -> int:
         """Pages of group ``group``'s pool it holds now (cached ones it reads included)."""
         if not self.most or self.most[group] == 0:  # a full group: every page of its table
             return len(self.tables[group] if self.tables else self.pages)
-        return max(0, self.top[group] - self.low[group])
+        return max(0, self.top[group] - self.low[group]) + len(self.kept[group])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +389,7 @@ class PrefixCache:
             owns.append(set())
         hold = Hold(tables[0], d * self._size, nodes, owns[0], tables=tables, owns=owns,
                     low=[w.start if w else d for w in windows], top=[d] * len(tables),
-                    most=most)
+                    most=most, keeps=[set() for _ in tables], kept=[{} for _ in tables])
         self._holds[id(hold)] = hold
         return hold
 
@@ -419,6 +428,33 @@ class PrefixCache:
                 hold.owns[g].update(got)
             hold.low[g], hold.top[g] = new_low, new_top
         return plans
+
+    def keep(self, hold: Hold, depth: int) -> bool:
+        """Law 10: the hold keeps, of each sliding group, its pages a hit at ``depth`` pages
+        reads, past its reach, until :meth:`insert` caches them. Returns whether it will:
+        ``False`` (changing nothing) when a group's pool cannot hold them beside every
+        running request's most pages, or when the hold has given some back already. Raises
+        ``ValueError`` for a depth outside the hold's pages."""
+        self._live(hold, "keep")
+        if not 0 < depth <= len(hold.pages):
+            raise ValueError(f"{_WHERE}.keep: depth {depth} is not 1 to the hold's "
+                             f"{len(hold.pages)} pages")
+        extra = {}
+        for g in self._sliding:
+            span = hit_pages(self.windows[g], depth, self._size)
+            if any(k not in hold.kept[g] and not (k < len(hold.nodes)
+                                                  and hold.nodes[k].pages[g] >= 0)
+                   for k in range(span.start, min(span.stop, hold.low[g]))):
+                return False  # given back already
+            extra[g] = set(span) - hold.keeps[g]
+            pool = self._pools[g]
+            if pool.reserved + len(extra[g]) > pool.capacity:
+                return False
+        for g, more in extra.items():
+            hold.keeps[g] |= more
+            hold.most[g] += len(more)
+            self._pools[g].reserved += len(more)
+        return True
 
     def insert(self, hold: Hold, tokens: Sequence[int] | np.ndarray) -> int:
         """Laws 5 and 8: the whole pages of ``tokens`` (the hold's sequence, written up to its
@@ -459,7 +495,9 @@ class PrefixCache:
             else:  # cached meanwhile by another request: the hold keeps its own copy
                 self._read(node)
             for g in self._sliding:
-                if k >= keep[g]:
+                if k in hold.kept[g]:
+                    added += self._adopt_kept(hold, node, g, k)
+                elif k >= keep[g] or k in hold.keeps[g]:
                     added += self._adopt(hold, node, g, k)
             hold.nodes.append(node)
             parent = node
@@ -478,7 +516,11 @@ class PrefixCache:
                 self._pools[a].unread += 1
         for g in self._sliding:
             for k in range(hold.low[g], hold.top[g]):
-                self._drop(hold, g, k)
+                self._drop(hold, g, k, keep=False)
+            for page in hold.kept[g].values():
+                hold.owns[g].discard(page)
+                self._pools[g].freed.append(page)
+            hold.kept[g].clear()
             self._pools[g].reserved -= hold.most[g]
             hold.low[g] = hold.top[g]
         if a is not None:
@@ -512,9 +554,24 @@ class PrefixCache:
         self._pools[g].cached += 1
         return 1
 
-    def _drop(self, hold: Hold, g: int, k: int) -> None:
+    def _adopt_kept(self, hold: Hold, node: CachedPage, g: int, k: int) -> int:
+        """Law 10: a page kept past the hold's reach joins the node, read by no one (or is
+        freed, where the node has its own). Returns 1 if it joined."""
+        page = hold.kept[g].pop(k)
+        hold.owns[g].discard(page)
+        pool = self._pools[g]
+        if node.pages[g] >= 0:
+            pool.freed.append(page)
+            return 0
+        node.pages[g] = page
+        pool.cached += 1
+        pool.unread += 1
+        self._push(node, g)
+        return 1
+
+    def _drop(self, hold: Hold, g: int, k: int, keep: bool = True) -> None:
         """Law 7: the hold gives back its page ``k`` of sliding group ``g``: read from a node,
-        it stays cached (read by one fewer); its own, it is freed."""
+        it stays cached (read by one fewer); its own, it is freed, or kept (law 10)."""
         page = hold.tables[g][k]
         hold.tables[g][k] = -1
         pool = self._pools[g]
@@ -524,6 +581,8 @@ class PrefixCache:
             if x.seers[g] == 0:
                 pool.unread += 1
                 self._push(x, g)
+        elif keep and k in hold.keeps[g]:
+            hold.kept[g][k] = page
         else:
             hold.owns[g].discard(page)
             pool.freed.append(page)

@@ -29,7 +29,8 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
    chunk is cut so that a call fits each sliding group's pool (``reach.largest_call``): a
    prompt longer than the pool still runs. Law 1's pages are the full group's (none without
    one); law 2 holds a request back only for pages whose windows the computing request will
-   keep.
+   keep: its prompt's last window, or the window where the two part, which it is then told to
+   keep (``PrefixCache.keep``) where its pools have room.
 """
 
 from __future__ import annotations
@@ -229,7 +230,9 @@ class Scheduler:
                 continue
             differ = np.flatnonzero(data[:upto] != other[:upto])
             same = int(differ[0]) if differ.size else upto
-            if same // self.P > cached and self._keeps(lane, same // self.P):
+            depth = same // self.P
+            if depth > cached and (self._keeps(lane, depth)
+                                   or self.cache.keep(lane.hold, depth)):
                 return True
         return False
 
