@@ -413,10 +413,14 @@ class PrefixCache:
             if lo <= low and hi <= top:
                 continue
             new_low, new_top = max(low, lo), max(top, hi)
-            if new_top - new_low > hold.most[g]:
+            kept = len(hold.kept[g]) + sum(  # its own pages given back into law 10's keeping
+                1 for k in range(low, min(new_low, top)) if k in hold.keeps[g]
+                and not (k < len(hold.nodes) and hold.nodes[k].pages[g] == hold.tables[g][k]))
+            if new_top - new_low + kept > hold.most[g]:
                 raise ValueError(f"{_WHERE}.slide: positions {first} to {last} read "
-                                 f"{new_top - new_low} pages of window {self.windows[g]}; the "
-                                 f"hold was admitted for {hold.most[g]} at once")
+                                 f"{new_top - new_low} pages of window {self.windows[g]}"
+                                 f"{f' beside {kept} kept' if kept else ''}; the hold was "
+                                 f"admitted for {hold.most[g]} at once")
             plans.append((g, low, new_low, top, new_top))
         for g, low, new_low, top, new_top in plans:
             for k in range(low, min(new_low, top)):
