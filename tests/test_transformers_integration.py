@@ -404,7 +404,8 @@ def test_the_serve_command_serves_a_saved_folder_and_a_gguf_file(reference, tmp_
 def test_the_serve_command_serves_a_long_prompt_on_a_pool_of_one_window(tmp_path, capsys):
     """Issue 19: a Mistral-like model whose every layer slides over 8 tokens serves a
     120-token prompt and 8 new tokens through ``--pages 10 --page-size 4`` (40 slots: a third
-    of the prompt), the chunks cut to fit, and gives transformers' greedy tokens."""
+    of the prompt), the chunks cut to fit, and gives transformers' greedy tokens. Two pages,
+    fewer than one window reads, are refused; ``generate``'s default pool holds a window."""
     import transformers as tr
 
     from cacheidx.serve.__main__ import main
@@ -424,6 +425,13 @@ def test_the_serve_command_serves_a_long_prompt_on_a_pool_of_one_window(tmp_path
     out = json.loads(capsys.readouterr().out)
     assert out["requests"][0]["tokens"] == greedy(model, prompt, 8)
     assert out["figures"]["chunk"] == 30 and out["figures"]["peak_pages_in_use"] == 10
+    # a pool below one window is refused, naming the numbers; by default a pool holds one
+    assert main([str(requests), "--model", str(tmp_path / "mistral"), "--pages", "2",
+                 "--page-size", "4"]) == 2
+    assert "the pool of the 2 layers of window 8 has 2 pages of 4 tokens; one window needs " \
+           "3" in capsys.readouterr().err
+    assert cit.generate(model, [prompt[:5]], max_new_tokens=3, page_size=4) == \
+        [greedy(model, prompt[:5], 3)]
 
 
 # -- SmolLM2, real weights ------------------------------------------------------------------------

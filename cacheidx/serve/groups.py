@@ -24,6 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ..prefix.reach import window_pages
+
 __all__ = ["Groups", "windows_told"]
 
 
@@ -50,6 +52,12 @@ class Groups:
     def sliding(self) -> bool:
         """Whether some group frees what its layers no longer read."""
         return any(w is not None for w in self.windows)
+
+    def pools(self, pages: int, page_size: int) -> dict[int | None, int]:
+        """A default pool of ``pages`` pages for each group (``Engine(pages=...)``), a sliding
+        group's raised to the pages one window reads, which its pool must hold."""
+        return {w: pages if w is None else max(pages, window_pages(w, page_size))
+                for w in self.windows}
 
     def per_layer(self, indices: Any) -> Any:
         """Law 3: the index each layer reads, from one index per group (a tuple), or the one
