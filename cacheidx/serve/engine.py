@@ -289,9 +289,9 @@ def _pools(groups: Groups, pages: Any, page_size: int) -> list[int]:
         counts = [check.integer(_WHERE, "pages", pages, least=0)] * len(groups.windows)
     for w, c, n in zip(groups.windows, counts, groups.layers, strict=True):
         if w is not None and c < window_pages(w, page_size):
-            raise ValueError(f"cacheidx.{_WHERE}: the pool of the {n} layer{'s' * (n != 1)} "
-                             f"of window {w} "
-                             f"has {c} pages of {page_size} tokens; one window needs "
+            layers = f"{n} layer{'s' * (n != 1)}"
+            raise ValueError(f"cacheidx.{_WHERE}: the pool of the {layers} of window {w} has "
+                             f"{c} pages of {page_size} tokens; one window needs "
                              f"{window_pages(w, page_size)} (a token reads itself and the "
                              f"{w - 1} positions before it)")
     return counts
