@@ -298,3 +298,211 @@ def test_matching_walks_only_the_pages_it_matches():
     assert cache.match(tokens[:100_000]).tokens == (100_000 - 1) // 16 * 16
     assert cache.match(np.concatenate([[7], tokens[1:100_000]])).tokens == 0
     assert prefix.lru(cache._root.children[tokens[:16].astype("<i8").tobytes()]) == 1
+
+
+# -- groups of layers: a sliding group keeps the last window ------------------------------------
+def serve_windowed(cache, prompt, written=(), call=1):
+    """A request's life over a cache with sliding groups: its prompt in calls of ``call``
+    tokens, then what it wrote one a call, each slid to first; its prompt cached, then what
+    it wrote; released."""
+    seq = list(prompt) + list(written)
+    hold = cache.admit(prompt, max(len(seq), len(prompt)), call=call)
+    assert hold is not None
+    for first in range(hold.cached, len(prompt), call):
+        cache.slide(hold, first, min(first + call, len(prompt)) - 1)
+    for first in range(len(prompt), len(seq)):
+        cache.slide(hold, first, first)
+    cache.insert(hold, prompt)
+    cache.insert(hold, seq)
+    cache.release(hold)
+    cache.check()
+    return hold
+
+
+def test_a_cached_prefix_keeps_its_last_window_and_a_hit_needs_it():
+    """Full layers and a window of 4, pages of 2: a 9-token prompt computed in one call keeps
+    its 4 full pages and, of the sliding group, the pages a hit at 4 pages (positions 5 to
+    7) or one page short (positions 3 to 5) reads: pages 1 to 3. A prompt sharing 2 pages
+    would read position 0's page, given back: it hits nothing."""
+    cache = PrefixCache((8, 8), 2, windows=(None, 4))
+    serve_windowed(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9], call=9)
+    assert (cache.group(0).cached, cache.group(1).cached) == (4, 3)
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).tokens == 8
+    assert cache.match([1, 2, 3, 4, 5, 6, 0]).tokens == 6
+    assert cache.match([1, 2, 3, 4, 0, 0, 0]).tokens == 0
+    hold = cache.admit([1, 2, 3, 4, 5, 6, 7, 8, 0], 9)
+    assert hold.cached == 8 and hold.tables[1][:2] == [-1, -1] and min(hold.tables[1][2:4]) >= 0
+    cache.release(hold)
+    cache.check()
+
+
+def test_a_sliding_page_is_evicted_alone_and_the_hits_it_served_go_with_it():
+    """Window 2, pages of 1, a sliding pool of 3: the prompt [1 2 3 4] keeps pages 2 and 3 of
+    its sliding group. A request needing 2 fresh pages evicts one of them, the older-pushed:
+    the full pages stay, a hit at 4 pages still reads, one at 3 no longer does."""
+    cache = PrefixCache((8, 3), 1, windows=(None, 2))
+    serve_windowed(cache, [1, 2, 3, 4])
+    assert cache.match([1, 2, 3, 9]).tokens == 3 and cache.match([1, 2, 3, 4, 5]).tokens == 4
+    hold = cache.admit([7, 8], 2)
+    cache.slide(hold, 0, 1)
+    assert cache.evictions == 1 and cache.group(0).cached == 4 and cache.group(1).cached == 1
+    assert cache.match([1, 2, 3, 9]).tokens == 0 and cache.match([1, 2, 3, 4, 5]).tokens == 4
+    cache.release(hold)
+    cache.check()
+
+
+def test_without_full_layers_a_node_goes_with_its_last_page():
+    """Every layer sliding (window 2, pages of 1, a pool of 3): the cached prompt's nodes hold
+    pages 2 and 3 only; once both are evicted for a request holding 3 pages, the tree holds
+    nothing."""
+    cache = PrefixCache(3, 1, windows=(2,))
+    serve_windowed(cache, [1, 2, 3, 4])
+    assert len(cache._root.children) == 1 and cache.cached == 2
+    hold = cache.admit([7, 8, 9], 3, call=2)  # calls of 2 read up to 3 pages at once
+    cache.slide(hold, 0, 0)  # the free page
+    assert cache.cached == 2 and cache.evictions == 0
+    cache.slide(hold, 1, 2)
+    assert cache.cached == 0 and not cache._root.children
+    cache.release(hold)
+    cache.check()
+    assert cache.free == 3
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: PrefixCache(4, 2, windows=(None, None)), ValueError, "name a group twice"),
+    (lambda: PrefixCache(4, 2, windows=(0,)), ValueError, "a window must be None or a "
+     "positive integer, got 0"),
+    (lambda: PrefixCache((4, 4), 2, windows=(None,)), ValueError, "pages gives 2 pools for 1 "
+     "groups"),
+    (lambda: PrefixCache(2, 2, windows=(8,)).admit([1, 2], 9), PageError, "a window of 8 "
+     "tokens needs 5 pages of 2 at once; the pool of window 8 has 2"),
+    (lambda: PrefixCache(8, 2, windows=(4,)).slide(PrefixCache(8, 2, windows=(4,)).admit(
+        [1, 2], 2), 0, 1), PageError, "slide: the hold is not of this cache"),
+    (lambda: PrefixCache(3, 2, windows=(4,)).admit(list(range(9)), 9), PageError, "calls of 9 "
+     "tokens read up to 5 pages of window 4 at once; the pool of window 4 has 3"),
+])
+def test_bad_groups_name_the_function_and_the_value(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_a_kept_window_is_cached_where_the_last_window_alone_is_not():
+    """Window 2, pages of 1: told to keep the window a hit at 2 pages reads (page 1: the next
+    token reads positions 1 and 2), the hold keeps it past its reach, and once it caches its
+    prompt a prompt sharing 2 pages reads them; one sharing 3 finds page 2 gone and reads 2.
+    A pool without room for the kept pages, or a hold that gave them back, refuses, changing
+    nothing."""
+    cache = PrefixCache(8, 1, windows=(2,))
+    hold = cache.admit([1, 2, 3, 4, 5, 6], 6, call=1)
+    assert cache.keep(hold, 2) and hold.most[0] == 2 + 1
+    for first in range(6):
+        cache.slide(hold, first, first)
+    assert list(hold.kept[0]) == [1] and hold.held(0) == 3
+    cache.insert(hold, [1, 2, 3, 4, 5, 6])
+    cache.release(hold)
+    cache.check()
+    assert cache.match([1, 2, 9]).tokens == 2 and cache.match([1, 2, 3, 9]).tokens == 2
+    assert cache.match([1, 2, 3, 4, 5, 9]).tokens == 5
+    small = PrefixCache(2, 1, windows=(2,))
+    hold = small.admit([1, 2, 3, 4], 4, call=1)
+    assert not small.keep(hold, 2) and small.group(0).reserved == 2
+    for first in range(3):
+        small.slide(hold, first, first)  # page 0 given back at position 2
+    assert not small.keep(hold, 1) and hold.most[0] == 2
+    small.release(hold)
+    small.check()
+
+
+def test_a_call_past_the_holds_reservation_is_refused_changing_nothing():
+    cache = PrefixCache(8, 2, windows=(4,))
+    hold = cache.admit(list(range(12)), 12, call=2)  # at most 3 pages at once
+    with pytest.raises(ValueError, match="positions 0 to 7 read 4 pages of window 4; the hold "
+                                         "was admitted for 3 at once"):
+        cache.slide(hold, 0, 7)
+    with pytest.raises(ValueError, match="positions 10 to 12 are not in the hold's 12 slots"):
+        cache.slide(hold, 10, 12)
+    cache.check()
+    cache.release(hold)
+    cache.check()
+
+
+windowed = st.sampled_from([(None, 2), (3,), (None, 1, 3), (2, 4)])
+
+
+@settings(max_examples=100)
+@given(windows=windowed, size=st.integers(1, 3), extra=st.integers(0, 6),
+       call=st.integers(1, 4), requests=st.lists(request, min_size=1, max_size=8),
+       data=st.data())
+def test_random_lives_with_windows_never_give_away_a_page_in_use(windows, size, extra, call,
+                                                                 requests, data):
+    """Requests start, compute their prompts in calls of ``call`` tokens and then decode, are
+    told to keep a window (law 10), cache and end in a random order
+    over pools from one window up: after each step every page is in one place and the
+    reservations add up (check); a page a live request reads, cached or its own, still holds
+    the tokens it was written with; nothing leaks at the end."""
+    sliding = [w for w in windows if w is not None]
+    pages = max([-(-(call + w - 2) // size) + 1 for w in sliding]) + extra
+    cache = PrefixCache(pages, size, windows=windows)
+    content = {}  # (group, page) -> the tokens written on it
+    waiting, live = list(range(len(requests))), {}
+
+    def reads(r, hold, upto):
+        """Every page the hold holds below token ``upto`` holds its tokens."""
+        prompt, gen = requests[r]
+        seq = list(prompt) + list(gen)
+        for g, table in enumerate(hold.tables):
+            for k in range(min(upto // size, len(table))):
+                if table[k] >= 0:
+                    want = tuple(seq[k * size : (k + 1) * size])
+                    assert content.get((g, table[k])) == want, f"group {g} page {table[k]}"
+
+    while waiting or live:
+        choices = [("start", r) for r in waiting[:1]] + [("next", r) for r in live] + \
+            [("keep", r) for r in live]
+        kind, r = data.draw(st.sampled_from(choices))
+        prompt, gen = requests[r]
+        seq = list(prompt) + list(gen)
+        if kind == "keep":  # another request will read the window at some depth
+            hold = live[r][0]
+            depth = data.draw(st.integers(1, len(hold.pages)))
+            before = [cache.group(g).reserved for g in range(len(windows))]
+            if not cache.keep(hold, depth):
+                assert [cache.group(g).reserved for g in range(len(windows))] == before
+        elif kind == "start":
+            if None in windows and -(-len(seq) // size) > pages:
+                with pytest.raises(PageError):
+                    cache.admit(prompt, len(seq), call=call)
+                waiting.pop(0)
+                continue
+            hold = cache.admit(prompt, max(1, len(seq)), call=call)
+            if hold is None:
+                assert live, "an idle pool always admits what fits it"
+                continue
+            reads(r, hold, hold.cached)
+            for g, table in enumerate(hold.tables):  # fresh pages are written now
+                for k in range(hold.cached // size, len(table)):
+                    if table[k] >= 0:
+                        content[g, table[k]] = tuple(seq[k * size : (k + 1) * size])
+            waiting.pop(0)
+            live[r] = [hold, hold.cached]
+        else:
+            hold, done = live[r]
+            if done < len(seq):  # the next call: its pages taken, then written
+                # prompt tokens in calls of ``call``, then one token a call (decoding)
+                last = min(done + call, len(prompt)) - 1 if done < len(prompt) else done
+                for g, _, new_low, top, new_top in cache.slide(hold, done, last):
+                    for k in range(max(top, new_low), new_top):
+                        content[g, hold.tables[g][k]] = tuple(seq[k * size : (k + 1) * size])
+                live[r][1] = last + 1
+                reads(r, hold, last + 1)
+                if last + 1 >= len(prompt) > done:
+                    cache.insert(hold, prompt)
+            else:
+                cache.insert(hold, seq[: max(len(prompt), len(seq))])
+                cache.release(hold)
+                del live[r]
+        cache.check()
+    for g in range(len(windows)):
+        pool = cache.group(g)
+        assert pool.free + pool.cached == pool.capacity and pool.evictable == pool.cached
+        assert pool.reserved == 0

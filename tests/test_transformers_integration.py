@@ -131,6 +131,27 @@ def test_the_engine_gives_transformers_greedy_tokens(name, reference, served):
     assert engine.figures()["prefill_calls"] >= 4, "13 - 8 tokens in chunks of 4, and more"
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_sliding_group_keeps_only_its_window_and_gives_the_same_tokens(name, reference,
+                                                                         served):
+    """Mistral (every layer sliding) and Gemma 2 (sliding and full layers), window 4, pages of
+    4: the sliding layers' pool holds 3 pages, fewer than the 13-token prompt fills, and each
+    prompt still gets transformers' greedy tokens; the full layers' pool holds every page."""
+    model, want = reference(name)
+    wrapped = served(model)
+    pages = {4: 3} if name == "mistral" else {None: 32, 4: 3}
+    engine = Engine(wrapped, backend="torch", pages=pages, page_size=PAGE, lanes=3, chunk=4,
+                    clock="steps", debug=True)
+    results = engine.run([Request(k, p, NEW) for k, p in enumerate(PROMPTS)])
+    assert [r.tokens for r in results] == want
+    groups = engine.figures()["groups"]
+    assert [g["window"] for g in groups] == ([4] if name == "mistral" else [None, 4])
+    assert groups[-1]["peak_pages_in_use"] <= 3
+    cache = engine.cache
+    cache.check()
+    assert cache.free + cache.cached == cache.capacity and cache.evictable == cache.cached
+
+
 def test_generate_stops_at_the_models_end_token_and_gives_its_attention_back(reference):
     model, want = reference("llama")
     eos = want[0][2]
@@ -378,6 +399,39 @@ def test_the_serve_command_serves_a_saved_folder_and_a_gguf_file(reference, tmp_
     assert stop.value.code == 2
     assert "--model serves a transformers model on the torch backend" in \
         capsys.readouterr().err
+
+
+def test_the_serve_command_serves_a_long_prompt_on_a_pool_of_one_window(tmp_path, capsys):
+    """Issue 19: a Mistral-like model whose every layer slides over 8 tokens serves a
+    120-token prompt and 8 new tokens through ``--pages 10 --page-size 4`` (40 slots: a third
+    of the prompt), the chunks cut to fit, and gives transformers' greedy tokens. Two pages,
+    fewer than one window reads, are refused; ``generate``'s default pool holds a window."""
+    import transformers as tr
+
+    from cacheidx.serve.__main__ import main
+
+    config, _ = configs()["mistral"]
+    config.sliding_window = 8
+    torch.manual_seed(0)
+    model = tr.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path / "mistral")
+    prompt = np.random.default_rng(5).integers(0, VOCAB, 120).tolist()
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"id": "long", "prompt_ids": prompt}) + "\n")
+    assert main([str(requests), "--model", str(tmp_path / "mistral"), "--json", "--pages", "10",
+                 "--page-size", "4", "--max-new-tokens", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"][0]["tokens"] == greedy(model, prompt, 8)
+    assert out["figures"]["chunk"] == 30 and out["figures"]["peak_pages_in_use"] == 10
+    # a pool below one window is refused, naming the numbers; by default a pool holds one
+    assert main([str(requests), "--model", str(tmp_path / "mistral"), "--pages", "2",
+                 "--page-size", "4"]) == 2
+    assert "the pool of the 2 layers of window 8 has 2 pages of 4 tokens; one window needs " \
+           "3" in capsys.readouterr().err
+    assert cit.generate(model, [prompt[:5]], max_new_tokens=3, page_size=4) == \
+        [greedy(model, prompt[:5], 3)]
 
 
 # -- SmolLM2, real weights ------------------------------------------------------------------------

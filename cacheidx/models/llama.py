@@ -62,6 +62,9 @@ class Config:
     #: how a layer attends: ``"attend"``, ``index.attend`` over the pools in place; or
     #: ``"extend"``, the spec's path: ``extend``'s seen, then :func:`attend` under ``mask``
     attention: str = "attend"
+    #: each layer's sliding window (``None``: the layer reads every position); ``None``:
+    #: every layer full. :func:`forward` passes ``index.window(w)`` to a layer of window ``w``
+    windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -79,6 +82,24 @@ class Config:
         if self.matmul_mantissa is not None and not 0 < self.matmul_mantissa <= 23:
             raise ValueError("cacheidx.models.llama.Config: matmul_mantissa must be 1 to 23, "
                              f"got {self.matmul_mantissa}")
+        if self.windows is not None:
+            windows = tuple(self.windows)
+            if len(windows) != self.layers:
+                raise ValueError(f"cacheidx.models.llama.Config: windows names {len(windows)} "
+                                 f"layers of {self.layers}")
+            for i, w in enumerate(windows):
+                if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+                    raise TypeError(f"cacheidx.models.llama.Config: windows[{i}] must be None "
+                                    f"or a positive integer, got {w!r}")
+                if w is not None and w < 1:
+                    raise ValueError(f"cacheidx.models.llama.Config: windows[{i}] must be None "
+                                     f"or a positive integer, got {w}")
+            object.__setattr__(self, "windows", windows)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window, ``None`` for a full layer."""
+        return self.windows if self.windows is not None else (None,) * self.layers
 
     @classmethod
     def tiny(cls, **overrides) -> Config:
@@ -179,8 +200,10 @@ def _namespace(xp):
     return array_namespace(m.zeros(1))
 
 
-def empty_pools(config: Config, slots: int, *, like=None, xp=None, dtype=None, device=None):
-    """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros.
+def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device=None):
+    """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros
+    (``slots`` a number, or a sequence of each layer's: layers whose windows differ keep pools
+    of their own sizes, ``cacheidx.serve.groups``).
 
     The namespace, dtype and device are those of the array ``like`` (a weight, say) unless given.
     """
@@ -191,14 +214,18 @@ def empty_pools(config: Config, slots: int, *, like=None, xp=None, dtype=None, d
     else:
         xp = _namespace("numpy" if xp is None else xp)
         dtype = xp.float32 if dtype is None else dtype
-    shape = (slots, config.kv_heads, config.head_dim)
+    each = [slots] * config.layers if isinstance(slots, int | np.integer) else list(slots)
+    if len(each) != config.layers:
+        raise ValueError(f"cacheidx.models.llama.empty_pools: {len(each)} pool sizes for "
+                         f"{config.layers} layers")
 
-    def zeros():
+    def zeros(n):
+        shape = (int(n), config.kv_heads, config.head_dim)
         if device is None:
             return xp.zeros(shape, dtype=dtype)
         return xp.zeros(shape, dtype=dtype, device=device)
 
-    return [(zeros(), zeros()) for _ in range(config.layers)]
+    return [(zeros(n), zeros(n)) for n in each]
 
 
 def _device(x):
@@ -327,33 +354,38 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
             reduce=None, each=None):
     """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
 
-    ``pools`` holds one ``(k_pool, v_pool)`` per layer, each ``[slots, kv_heads, head_dim]``
-    (:func:`empty_pools`); on an index that keeps nothing (``cacheidx.whole``) pass any pools, they
-    come back as they were. With ``donate=True`` the pools are given up to ``index.extend``, which
-    may write into their memory. With ``last=True`` only the last token's logits are computed
-    (``[batch, 1, vocab]``): under ``cacheidx.rows`` and left padding that is every lane's last.
+    ``index`` is the index every layer reads, or a list of one per layer (layers whose tables
+    differ: ``cacheidx.serve.groups``); a layer of window ``w`` (``config.windows``) reads
+    its index's ``window(w)``. ``pools`` holds one ``(k_pool, v_pool)`` per layer, each
+    ``[slots, kv_heads, head_dim]`` (:func:`empty_pools`); on an index that keeps nothing
+    (``cacheidx.whole``) pass any pools, they come back as they were. With ``donate=True`` the
+    pools are given up to ``index.extend``, which may write into their memory. With
+    ``last=True`` only the last token's logits are computed (``[batch, 1, vocab]``): under
+    ``cacheidx.rows`` and left padding that is every lane's last.
     ``reduce`` sums the ranks' parts of every layer's two output projections under tensor
     parallelism (:func:`layer`; ``cacheidx.parallel`` shards ``params`` and ``config``).
     ``each(p, x, cos, sin, index, pools) -> (x, pools)`` runs one layer in place of
     :func:`layer` (binding the config and options itself): a compiled one is traced once and
     serves every layer, which is regional compilation.
     """
+    c = config
+    indices = _layer_indices(index, c)
+    first = indices[0]
     # the index's namespace where it names one (resolved once, outside any compiled step), and
     # its backend's product for the linear layers
-    xp = getattr(index, "xp", None) or array_namespace(tokens, params["embed"])
-    product = getattr(getattr(index, "backend", None), "matmul", None)
-    c = config
+    xp = getattr(first, "xp", None) or array_namespace(tokens, params["embed"])
+    product = getattr(getattr(first, "backend", None), "matmul", None)
     b, s = tokens.shape
     embed = params["embed"]
     x = xp.take(embed, xp.reshape(tokens, (-1,)), axis=0)  # [batch * seq, dim]
-    cos, sin = rotary(index.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
+    cos, sin = rotary(first.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
     out = []
-    for p, pool in zip(params["layers"], pools, strict=True):
+    for p, pool, ix in zip(params["layers"], pools, indices, strict=True):
         if each is None:
-            x, pool = layer(p, c, x, cos, sin, index, pool, donate=donate, xp=xp, reduce=reduce,
+            x, pool = layer(p, c, x, cos, sin, ix, pool, donate=donate, xp=xp, reduce=reduce,
                             product=product)
         else:
-            x, pool = each(p, x, cos, sin, index, pool)
+            x, pool = each(p, x, cos, sin, ix, pool)
         out.append(pool)
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
@@ -362,3 +394,25 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     head = params["out"] if not c.tied else xp.matrix_transpose(embed)
     logits = _products(product, c.matmul_mantissa)(x, head)
     return xp.reshape(logits, (b, s, logits.shape[-1])), out
+
+
+def _layer_indices(index, config: Config) -> list:
+    """Each layer's index: the one given, or its own of a list, under ``window(w)`` for a
+    sliding layer (one derived index per distinct index and window)."""
+    if isinstance(index, list | tuple):
+        if len(index) != config.layers:
+            raise ValueError(f"cacheidx.models.llama.forward: {len(index)} indices for "
+                             f"{config.layers} layers")
+        indices = list(index)
+    else:
+        indices = [index] * config.layers
+    if config.windows is None:
+        return indices
+    made = {}
+    for i, w in enumerate(config.windows):
+        if w is not None:
+            key = (id(indices[i]), w)
+            if key not in made:
+                made[key] = indices[i].window(w)
+            indices[i] = made[key]
+    return indices

@@ -8,7 +8,7 @@ hold the pages with reference counts, and report what sharing saves.
 ([0, 3, 4, 1, 2], [0, 2, 2, 4, 0], [-1, 0, 0, 4, -1])
 """
 
-from .cache import CachedPage, Hold, Match, PrefixCache, lru
+from .cache import CachedPage, GroupPages, Hold, Match, PrefixCache, lru
 from .pages import STRATEGIES, PageError, Pages, Simulation, simulate, walk
 from .plan import Plan, plan
 from .report import Report, report
@@ -17,6 +17,7 @@ from .schedule import Schedule, Wave, schedule
 __all__ = [
     "STRATEGIES",
     "CachedPage",
+    "GroupPages",
     "Hold",
     "Match",
     "PrefixCache",

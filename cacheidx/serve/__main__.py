@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .engine import Engine
+from .groups import Groups
 from .model import LlamaModel
 from .requests import Result, read_requests
 
@@ -113,8 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="cpu, gpu, cuda, gpu:N or cuda:N (default: the backend's own)")
     p.add_argument("--pages", type=_positive, default=None,
-                   help="pages in the pool (default: every request's pages, at most "
-                   f"{MOST_PAGES})")
+                   help="pages in the pool of each group of layers of one window (default: "
+                   f"every request's pages, at most {MOST_PAGES}; a sliding group's, one "
+                   "window's at least)")
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--max-new-tokens", type=_positive, default=32,
                    help="for each request without its own max_new_tokens")
@@ -184,28 +186,33 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
     for line in lines:
         if line.error is not None:
             say(f"{where} line {line.number}: request {line.id!r} failed: {line.error}")
-    pages = args.pages
-    if pages is None:
+    groups = Groups.of(getattr(what.model, "windows", None) or [None])
+    pages = pools = args.pages
+    if pages is None:  # a sliding group's pool holds one window at least (Engine's law 5)
         pages = min(MOST_PAGES, max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1)
                                              // args.page_size) for r in requests)))
+        pools = groups.pools(pages, args.page_size)
     compile = args.compile or (args.backend == "jax" and not args.eager)
+    sizes = ("; ".join(f"{n} pages for window {w}" for w, n in pools.items())
+             if isinstance(pools, dict) and len(set(pools.values())) > 1 else f"{pages} pages")
     say(f"{what.name} loaded in {time.perf_counter() - t0:.1f}s; {len(requests)} requests "
         f"({len(lines) - len(requests)} bad lines) on {args.backend}"
         f"{', ' + args.device if args.device else ''}{', compiled' if compile else ''}; "
-        f"{pages} pages of {args.page_size} tokens, cache {'off' if args.no_cache else 'on'}")
+        f"{sizes} of {args.page_size} tokens, cache {'off' if args.no_cache else 'on'}")
     # compiled, one shape for each kind of call (two programs to build, which for 30 layers
     # is most of a short run), as wide as the longest request the pool and the model hold
+    # (only full layers' pages limit a request)
     longest = getattr(what.model, "context", None)
     totals = [len(r.prompt) + r.max_new_tokens - 1 for r in requests]
-    fits = [t for t in totals if -(-t // args.page_size) <= pages
+    fits = [t for t in totals if (None not in groups.windows or -(-t // args.page_size) <= pages)
             and (longest is None or t <= longest)]
     context = max(fits) if compile and fits else None
     try:
         engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
-                        pages=pages, page_size=args.page_size, lanes=args.lanes,
+                        pages=pools, page_size=args.page_size, lanes=args.lanes,
                         chunk=args.chunk, cache=not args.no_cache,
                         shapes="fixed" if compile else None, context=context)
-    except ValueError as e:  # an unknown device: say what exists
+    except ValueError as e:  # an unknown device (say what exists), a pool below one window
         say(str(e))
         return 2
     line_of = {engine.submit(line.request): line.number for line in lines

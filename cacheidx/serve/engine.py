@@ -22,6 +22,12 @@ Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
    carries the error, the others are served, and the engine serves the next ``run``.
    (A call whose index breaks an obligation of the table under ``debug`` is the engine's
    own bug: :class:`~cacheidx.serve.step.TableError` is raised.)
+5. Groups of layers (:mod:`cacheidx.serve.groups`): the layers of one window share a table
+   and a pool of pages; a sliding group frees what no call still to come reads (the
+   scheduler's law 5), so a request holds about ``(w + chunk) / page_size + 1`` pages there
+   whatever its length. The tokens are those of one table for every layer (``windows=[None]
+   * layers``). A pool that cannot hold one window of its group is refused when the engine
+   is made.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import _check as check
 from ..prefix.cache import PrefixCache, lru
+from ..prefix.reach import window_pages
+from .groups import Groups, windows_told
 from .requests import Request, Result
 from .scheduler import Batch, Scheduler
 from .step import Step, TableError
@@ -68,36 +76,49 @@ class Engine:
     call's index (:func:`cacheidx.check`) before the model reads it (an ``executor`` makes
     its own calls, and checks what it will).
 
+    ``windows`` is each layer's window as the engine keeps its pages (``None``: every
+    position), the model's own ``windows`` by default (a model without them: one full
+    layer); the layers of one window are a group with its own table and pool of pages (law
+    5). ``pages`` is then each group's pool, or a mapping from each group's window to its
+    pool's pages; ``[None] * layers`` keeps one table for every layer.
+
     Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
-    that is not a positive integer (``pages`` may be 0)."""
+    that is not a positive integer (``pages`` may be 0), a window below the model's own, or a
+    pool that cannot hold one window of its sliding group."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool = False, pages: int = 256,
                  page_size: int = 16, lanes: int = 8, chunk: int | None = None,
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
                  clock: str = "seconds", shapes: str | None = None,
-                 context: int | None = None, debug: bool = False):
+                 context: int | None = None, debug: bool = False,
+                 windows: Any = None):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
         if clock not in ("seconds", "steps"):
             raise ValueError(f"cacheidx.serve.Engine: clock must be 'seconds' or 'steps', got "
                              f"{clock!r}")
-        pages = check.integer(_WHERE, "pages", pages, least=0)
         page_size = check.integer(_WHERE, "page_size", page_size, least=1)
+        self.groups = Groups.of(windows_told(f"cacheidx.{_WHERE}", windows,
+                                             getattr(model, "windows", None)))
+        counts = _pools(self.groups, pages, page_size)
         lanes = check.integer(_WHERE, "lanes", lanes, least=1)
         chunk = (64 if compile else 256) if chunk is None else \
             check.integer(_WHERE, "chunk", chunk, least=1)
         if context is not None:
             context = check.integer(_WHERE, "context", context, least=1)
-        self.cache = PrefixCache(pages, page_size, policy=policy)
+        self.cache = PrefixCache(counts, page_size, policy=policy, windows=self.groups.windows)
         self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
                                    context=context, vocab=getattr(model, "vocab", None),
                                    longest=getattr(model, "context", None))
+        several = len(self.groups.windows) > 1
         if executor is None:
             executor = Step(model, backend=backend, device=device, compile=compile,
-                            slots=pages * page_size, lanes=lanes, chunk=chunk,
-                            page_size=page_size, keep_logits=keep_logits, shapes=shapes,
-                            debug=debug)
+                            slots=[c * page_size for c in counts] if several
+                            else counts[0] * page_size,
+                            lanes=lanes, chunk=self.scheduler.chunk, page_size=page_size,
+                            keep_logits=keep_logits, shapes=shapes, debug=debug,
+                            groups=self.groups if several else None)
         self.executor = executor
         self.clock = clock
         self._pending: list[tuple[float, int, Request]] = []
@@ -176,9 +197,11 @@ class Engine:
 
     def _call(self, batch: Batch) -> list[Result]:
         t0 = time.perf_counter()
+        s = self.scheduler
+        table, version = ((s.table, s.version) if len(s.tables) == 1
+                          else (tuple(s.tables), tuple(s.versions)))
         try:
-            chosen, logits, new = self.executor.run(batch, self.scheduler.table,
-                                                    self.scheduler.version)
+            chosen, logits, new = self.executor.run(batch, table, version)
         except TableError:
             raise
         except Exception as e:  # law 4: whatever the model raised, it fails its lanes alone
@@ -250,3 +273,25 @@ class Engine:
         if programs is not None:
             f["programs"] = programs
         return f
+
+
+def _pools(groups: Groups, pages: Any, page_size: int) -> list[int]:
+    """Each group's pool (law 5): ``pages`` for each, or ``pages[window]``; refused where a
+    sliding group's pool cannot hold one window."""
+    if isinstance(pages, Mapping):
+        if set(pages) != set(groups.windows):
+            raise ValueError(f"cacheidx.{_WHERE}: pages names the windows "
+                             f"{sorted(pages, key=str)}; the groups' are "
+                             f"{list(groups.windows)}")
+        counts = [check.integer(_WHERE, f"pages[{w}]", pages[w], least=0)
+                  for w in groups.windows]
+    else:
+        counts = [check.integer(_WHERE, "pages", pages, least=0)] * len(groups.windows)
+    for w, c, n in zip(groups.windows, counts, groups.layers, strict=True):
+        if w is not None and c < window_pages(w, page_size):
+            layers = f"{n} layer{'s' * (n != 1)}"
+            raise ValueError(f"cacheidx.{_WHERE}: the pool of the {layers} of window {w} has "
+                             f"{c} pages of {page_size} tokens; one window needs "
+                             f"{window_pages(w, page_size)} (a token reads itself and the "
+                             f"{w - 1} positions before it)")
+    return counts

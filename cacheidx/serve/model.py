@@ -16,31 +16,38 @@ class Model(Protocol):
     instead of the engine's ``device`` name) and how to read an output on the host
     (``host``), and what requests it can take: ``vocab`` (token ids below it) and ``context``
     (the most tokens a request holds, prompt and new ones); the engine refuses any other
-    request when it is submitted."""
+    request when it is submitted. A model whose layers slide says each layer's window
+    (``windows``: ``None`` for a full layer); the engine then keeps one table and one pool
+    of pages per group of layers of one window (:mod:`cacheidx.serve.groups`)."""
 
     def place(self, xp: Any, device: Any) -> Any:
         """The weights as arrays of namespace ``xp`` on ``device``."""
 
-    def pools(self, weights: Any, slots: int) -> Any:
-        """Empty pools of ``slots`` slots beside ``weights`` (a list of tuples of arrays)."""
+    def pools(self, weights: Any, slots: Any) -> Any:
+        """Empty pools of ``slots`` slots beside ``weights`` (a list of tuples of arrays);
+        ``slots`` is a list of each layer's where the model says ``windows``."""
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         """``(logits, pools)``: ``logits`` ``[batch, vocab]`` of each lane's last token of
-        ``tokens`` ``[batch, seq]``, placed by ``index``; the pools after its stores (given
-        up: the call may write into them)."""
+        ``tokens`` ``[batch, seq]``, placed by ``index`` (the index every layer reads, or, for
+        a model that says ``windows``, a list of each layer's); the pools after its stores
+        (given up: the call may write into them). A layer of window ``w`` reads its index's
+        ``window(w)``."""
 
 
 class LlamaModel:
-    """A Llama decoder (:mod:`cacheidx.models.llama`) with float32 NumPy ``params``."""
+    """A Llama decoder (:mod:`cacheidx.models.llama`) with float32 NumPy ``params``; its layers'
+    ``windows`` are its config's."""
 
     def __init__(self, config: llama.Config, params: Any):
         self.config, self.params = config, params
         self.vocab, self.context = config.vocab, config.context
+        self.windows = config.layer_windows
 
     def place(self, xp: Any, device: Any) -> Any:
         return llama.convert(self.params, xp=xp, device=device)
 
-    def pools(self, weights: Any, slots: int) -> Any:
+    def pools(self, weights: Any, slots: Any) -> Any:
         return llama.empty_pools(self.config, slots, like=weights["embed"])
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:

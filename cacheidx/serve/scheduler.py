@@ -21,6 +21,16 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
    token, or ``max_new_tokens``) the pages it filled while decoding are cached too and its
    hold is released, its row cleared. A request that fails while running (:meth:`fail`)
    caches nothing more: its hold is released, its row cleared, its error in its result.
+5. Groups of layers (the cache's ``windows``, :mod:`cacheidx.serve.groups`): one table per
+   group, :attr:`Scheduler.tables`, each row over its group's pool. Before each call, a
+   sliding group's row gives back the pages wholly below the call's reach (their columns
+   become -1) and takes pages for the call's positions (``PrefixCache.slide``), so a request
+   holds at most ``ceil((chunk + w - 2) / P) + 1`` pages there, whatever its length. The
+   chunk is cut so that a call fits each sliding group's pool (``reach.largest_call``): a
+   prompt longer than the pool still runs. Law 1's pages are the full group's (none without
+   one); law 2 holds a request back only for pages whose windows the computing request will
+   keep: its prompt's last window, or the window where the two part, which it is then told to
+   keep (``PrefixCache.keep``) where its pools have room.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import dataclasses
 import numpy as np
 
 from ..prefix.cache import Hold, PrefixCache
+from ..prefix.reach import first_page, hit_pages, largest_call
 from .requests import Request, Result
 
 __all__ = ["Batch", "Lane", "Scheduler"]
@@ -91,16 +102,29 @@ class Scheduler:
         if lanes < 1 or chunk < 1 or (context is not None and context < 1):
             raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
                              f"positive, got {lanes}, {chunk} and {context}")
-        self.cache, self.lanes, self.chunk, self.reuse = cache, lanes, chunk, reuse
+        self.cache, self.lanes, self.reuse = cache, lanes, reuse
         self.context = context
         self.vocab, self.longest = vocab, longest  #: the model's limits, where it says them
         self.P = cache.page_size
-        #: [lanes, width] slots of each row's positions, -1 where none: a power of two of
-        #: pages, as wide as ``context`` from the start where given, else doubled as needed
+        self.windows = cache.windows  #: each group's window (law 5)
+        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        self._full = self.windows.index(None) if None in self.windows else None
+        fits = {g: largest_call(self.windows[g], cache.group(g).capacity, self.P)
+                for g in self._sliding}
+        for g, fit in fits.items():
+            if fit < 1:
+                raise ValueError(f"cacheidx.serve.Scheduler: the pool of window "
+                                 f"{self.windows[g]} has {cache.group(g).capacity} pages of "
+                                 f"{self.P} tokens, fewer than one window reads")
+        self.chunk = min([chunk, *fits.values()])  #: prompt tokens a call computes at most
+        #: per group, [lanes, width] slots of each row's positions, -1 where none: a power of
+        #: two of pages, as wide as ``context`` from the start where given, else doubled
         pages = 1 if context is None else cache.pages_for(context)
         width = (1 << (pages - 1).bit_length()) * self.P
-        self.table = np.full((lanes, width), -1, dtype=np.int64)
-        self.version = 0  #: bumped whenever the table changes
+        self.tables = [np.full((lanes, width), -1, dtype=np.int64) for _ in self.windows]
+        self.version = 0  #: bumped whenever a table changes
+        self.versions = [0] * len(self.windows)  #: the same, per group
+        self.peaks = [0] * len(self.windows)  #: the most pages in use at once, per group
         self.waiting: collections.deque[Result] = collections.deque()
         self._requests: dict[int, Request] = {}
         self.running: list[Lane] = []
@@ -116,6 +140,11 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def table(self) -> np.ndarray:
+        """The first group's table (the only one without groups)."""
+        return self.tables[0]
+
     # -- law 1: submission and admission ------------------------------------------------------
     def refusal(self, request: Request) -> str | None:
         """Why this engine can never serve ``request`` (law 1), or ``None``."""
@@ -127,9 +156,10 @@ class Scheduler:
             at = next(k for k, t in enumerate(request.prompt) if t >= self.vocab)
             return (f"request {request.id!r} holds token id {request.prompt[at]} at prompt "
                     f"position {at}; the model's vocabulary is ids 0 to {self.vocab - 1}")
-        if need > self.cache.capacity:
+        if self._full is not None and need > self.cache.group(self._full).capacity:
+            pool = "pool" if len(self.windows) == 1 else "pool of the full layers"
             return (f"request {request.id!r} needs {need} pages of {self.P} tokens {what}; the "
-                    f"pool has {self.cache.capacity}")
+                    f"{pool} has {self.cache.group(self._full).capacity}")
         if self.context is not None and total > self.context:
             return (f"request {request.id!r} holds {total} tokens {what}; the engine's context "
                     f"is {self.context}")
@@ -164,7 +194,8 @@ class Scheduler:
             if self.reuse and self._held_back(data, computing):
                 continue
             total = len(data) + request.max_new_tokens - 1
-            hold = self.cache.admit(data, total, reuse=self.reuse)  # submit checked the size
+            hold = self.cache.admit(data, total, reuse=self.reuse,  # submit checked the size
+                                    call=self.chunk)
             if hold is None:
                 break  # the oldest request that fits nowhere yet waits; so do the younger
             self.waiting.remove(result)
@@ -180,7 +211,6 @@ class Scheduler:
             admitted.append(lane)
         if admitted:
             self.rounds += 1
-            self.peak = max(self.peak, self.cache.in_use)
             self._used()
         return admitted
 
@@ -200,23 +230,62 @@ class Scheduler:
                 continue
             differ = np.flatnonzero(data[:upto] != other[:upto])
             same = int(differ[0]) if differ.size else upto
-            if same // self.P > cached:
+            depth = same // self.P
+            if depth > cached and (self._keeps(lane, depth)
+                                   or self.cache.keep(lane.hold, depth)):
                 return True
         return False
 
+    def _keeps(self, lane: Lane, depth: int) -> bool:
+        """Law 5: whether ``lane``, computing its prompt, will cache the windows a hit at
+        ``depth`` pages needs: those from the reach of its last chunk on."""
+        if not self._sliding:
+            return True
+        n = len(lane.data)
+        last = n - ((n - lane.done - 1) % self.chunk + 1)  # where its last chunk starts
+        end = max(0, n // self.P - 1)  # insert keeps a hit's window at its end, or one short
+        return all(hit_pages(w, depth, self.P).start
+                   >= max(first_page(w, last, self.P), hit_pages(w, end, self.P).start)
+                   for w in (self.windows[g] for g in self._sliding))
+
     def _place(self, lane: Lane) -> None:
-        pages = np.asarray(lane.hold.pages, dtype=np.int64)
-        slots = (pages[:, None] * self.P + np.arange(self.P)).reshape(-1)
-        if slots.size > self.table.shape[1]:
+        size = len(lane.hold.pages) * self.P
+        if size > self.table.shape[1]:
             width = self.table.shape[1]
-            while width < slots.size:
+            while width < size:
                 width *= 2
-            grown = np.full((self.lanes, width), -1, dtype=np.int64)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        self.table[lane.row] = -1
-        self.table[lane.row, : slots.size] = slots
+            for g, table in enumerate(self.tables):
+                grown = np.full((self.lanes, width), -1, dtype=np.int64)
+                grown[:, : table.shape[1]] = table
+                self.tables[g] = grown
+        tables = lane.hold.tables or [lane.hold.pages]
+        for g, table in enumerate(self.tables):
+            pages = np.asarray(tables[g], dtype=np.int64)
+            slots = pages[:, None] * self.P + np.arange(self.P)
+            table[lane.row] = -1
+            table[lane.row, :size] = np.where(pages[:, None] >= 0, slots, -1).reshape(-1)
+            self.versions[g] += 1
         self.version += 1
+
+    def _slide(self, lanes: tuple[Lane, ...], pos: np.ndarray) -> None:
+        """Law 5: before a call of ``lanes`` at positions ``pos`` (-1: padding), each sliding
+        group's rows give back the pages below the call's reach and take its positions'."""
+        if not self._sliding:
+            return
+        P, span = self.P, np.arange(self.P)
+        for lane, p in zip(lanes, pos):
+            fed = p[p >= 0]
+            for g, low, new_low, top, new_top in self.cache.slide(lane.hold, int(fed[0]),
+                                                                   int(fed[-1])):
+                table = self.tables[g]
+                table[lane.row, low * P : new_low * P] = -1
+                start = max(top, new_low)
+                pages = np.asarray(lane.hold.tables[g][start:new_top], dtype=np.int64)
+                table[lane.row, start * P : new_top * P] = (pages[:, None] * P
+                                                            + span).reshape(-1)
+                self.versions[g] += 1
+                self.version += 1
+        self._used()
 
     # -- law 3: the calls ---------------------------------------------------------------------
     def prefill(self) -> Batch | None:
@@ -233,6 +302,7 @@ class Scheduler:
             tokens[b, seq - n :] = lane.data[lane.done : lane.done + n]
         rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
         columns = max(lane.done + n for lane, n in zip(lanes, counts))
+        self._slide(lanes, pos)
         return Batch("prefill", lanes, rows, pos, tokens, columns)
 
     def decode(self) -> Batch | None:
@@ -246,6 +316,7 @@ class Scheduler:
         rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
         follows = lanes == self._last_decode
         self._last_decode = lanes
+        self._slide(lanes, pos)
         return Batch("decode", lanes, rows, pos, tokens, int(pos.max()) + 1, follows)
 
     # -- law 4: what a call's tokens do -------------------------------------------------------
@@ -289,7 +360,11 @@ class Scheduler:
         self._last_decode = ()
 
     def _used(self) -> None:
+        self.peak = max(self.peak, self.cache.in_use)
         self.peak_used = max(self.peak_used, self.cache.capacity - self.cache.free)
+        if len(self.windows) > 1 or self._sliding:
+            for g in range(len(self.windows)):
+                self.peaks[g] = max(self.peaks[g], self.cache.group(g).in_use)
 
     def _finish(self, lane: Lane, now: float) -> Result:
         if self.reuse:  # the pages filled while decoding: every token but the last is written
@@ -304,15 +379,17 @@ class Scheduler:
         """The lane's request stops running: its row is free again."""
         self._used()
         self.running.remove(lane)
-        self.table[lane.row] = -1
+        for g, table in enumerate(self.tables):
+            table[lane.row] = -1
+            self.versions[g] += 1
         self.version += 1
         self._rows.append(lane.row)
         lane.result.finished = now
 
     def figures(self) -> dict:
-        """Tokens and pages so far."""
+        """Tokens and pages so far (with groups, also each group's pages: ``"groups"``)."""
         prompt = self.prompt_tokens
-        return {
+        out = {
             "requests": self.served + self.failed,
             "failed": self.failed,
             "prompt_tokens": prompt,
@@ -327,4 +404,11 @@ class Scheduler:
             "pages_cached": self.cache.cached,
             "evictions": self.cache.evictions,
             "admission_rounds": self.rounds,
+            "chunk": self.chunk,
         }
+        if len(self.windows) > 1 or self._sliding:
+            out["groups"] = [{"window": w, "pages": self.cache.group(g).capacity,
+                              "peak_pages_in_use": self.peaks[g],
+                              "pages_cached": self.cache.group(g).cached}
+                             for g, w in enumerate(self.windows)]
+        return out

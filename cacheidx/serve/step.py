@@ -24,6 +24,10 @@ Laws of :class:`Step`:
    call over the same lanes is fed those, device to device, without the host.
 5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
    reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
+6. With ``groups`` (several groups of layers, :mod:`cacheidx.serve.groups`) the scheduler
+   hands one table per group; the call makes one index per group over the same positions
+   and row map, and the model is given one index per layer, its group's, and pools of its
+   group's slots. Without, the model is given one index, as it always was.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import cacheidx as ci
 from .. import devices
 from ..devices import to_host
 from ..models.llama import tree_map
+from .groups import Groups
 from .scheduler import Batch
 
 __all__ = ["Step", "TableError", "buckets", "to_host"]
@@ -75,11 +80,13 @@ class _Fed:
 class Step:
     """Computes a scheduler's batches with ``model`` (see :mod:`cacheidx.serve.model`) on
     ``backend`` and ``device`` (a name :func:`cacheidx.devices.resolve` takes), over pools of
-    ``slots`` slots, for ``lanes`` rows and prefill chunks of at most ``chunk`` tokens."""
+    ``slots`` slots, for ``lanes`` rows and prefill chunks of at most ``chunk`` tokens. With
+    ``groups`` (law 6), ``slots`` is a list of each group's."""
 
     def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
-                 compile: bool = False, slots: int, lanes: int, chunk: int, page_size: int,
-                 keep_logits: bool = False, shapes: str | None = None, debug: bool = False):
+                 compile: bool = False, slots: int | list[int], lanes: int, chunk: int,
+                 page_size: int, keep_logits: bool = False, shapes: str | None = None,
+                 debug: bool = False, groups: Groups | None = None):
         shapes = shapes or ("buckets" if compile else "exact")
         if shapes not in ("exact", "buckets", "fixed"):
             raise ValueError(f"cacheidx.serve.Step: shapes must be 'exact', 'buckets' or "
@@ -95,9 +102,13 @@ class Step:
         self.keep_logits, self.debug = keep_logits, bool(debug)
         info = getattr(self.xp, "__array_namespace_info__", None)
         self.int = info().default_dtypes()["integral"] if info else self.xp.int64
-        self.model = model
+        self.model, self.groups = model, groups
         self.weights = model.place(self.xp, self.device)
-        self.pools = model.pools(self.weights, slots)
+        if groups is None:
+            self.pools = model.pools(self.weights, slots)
+        else:
+            self.pools = model.pools(self.weights, [slots[g] for g in groups.of_layer])
+            slots = max(slots)
         pages = len(buckets(max(1, -(-slots // page_size))))
         lane_sizes, token_sizes = len(buckets(lanes)), len(buckets(chunk, 16))
         #: the most programs (shapes) of each call, where bounded
@@ -108,12 +119,12 @@ class Step:
             self.weights = tree_map(be.fix, self.weights)
             self.pools = tree_map(be.fix, self.pools)
             most = max(self.bound.values()) if self.bound else 64
-            self._prefill, self._decode = _compiled(model, be, most)
+            self._prefill, self._decode = _compiled(model, be, most, groups)
         else:
             # eagerly, nothing recorded for differentiation (torch: its fast linear layers)
-            self._prefill, self._decode = map(be.inference, _steps(model, self.xp))
+            self._prefill, self._decode = map(be.inference, _steps(model, self.xp, groups))
         self._buffers: dict[tuple, Any] = {}
-        self._table: tuple | None = None  # (columns, version, array)
+        self._tables: dict[int, tuple] = {}  # group -> (columns, version, array)
         self._fed: _Fed | None = None
         self.shapes: dict[str, set] = {"prefill": set(), "decode": set()}
 
@@ -122,12 +133,15 @@ class Step:
         """Distinct shapes called so far, compiled or not (law 2 bounds them when compiled)."""
         return sum(len(s) for s in self.shapes.values())
 
-    def run(self, batch: Batch, table: np.ndarray, version: int
+    def run(self, batch: Batch, table: np.ndarray | tuple, version: int | tuple
             ) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """``(chosen, logits, new)``: the token each lane chose, its logits where kept, and
-        whether the call had a shape not seen before (a compile, where compiled)."""
+        whether the call had a shape not seen before (a compile, where compiled). With
+        groups, ``table`` and ``version`` are tuples of each group's (law 6)."""
         lanes, seq = batch.tokens.shape
-        width = table.shape[1]
+        tables, versions = (table, version) if isinstance(table, tuple) else ((table,),
+                                                                             (version,))
+        width = tables[0].shape[1]
         if self.shapes_of == "fixed":
             lanes_, columns = self.lanes, width
             seq_ = 1 if batch.kind == "decode" else self.chunk
@@ -149,15 +163,17 @@ class Step:
         tokens[:lanes, seq_ - seq :] = batch.tokens
         fed = self._fed if batch.follows and self._fed is not None and self._fed.key == key \
             else None
-        index = ci.make(self._put("pos", pos, fed and fed.pos),
-                        self._table_of(table, columns, version),
-                        row=self._put("row", rows))
+        pos_in, rows_in = self._put("pos", pos, fed and fed.pos), self._put("row", rows)
+        indices = tuple(ci.make(pos_in, self._table_of(g, t, columns, v), row=rows_in)
+                        for g, (t, v) in enumerate(zip(tables, versions, strict=True)))
+        index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
-            try:
-                ci.check(index)
-            except ValueError as e:
-                raise TableError(f"cacheidx.serve.Step: the {batch.kind} call breaks an "
-                                 f"obligation of the table: {e}") from None
+            for ix in indices:
+                try:
+                    ci.check(ix)
+                except ValueError as e:
+                    raise TableError(f"cacheidx.serve.Step: the {batch.kind} call breaks an "
+                                     f"obligation of the table: {e}") from None
         tokens_in = self._put("tokens", tokens, fed and fed.tokens)
         self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":
@@ -189,43 +205,53 @@ class Step:
                 return buffer
         return self.backend.refill(buffer, source)
 
-    def _table_of(self, table: np.ndarray, columns: int, version: int) -> Any:
-        """The table's first ``columns`` columns on the device, copied again only when the
-        scheduler changed it."""
-        if self._table is not None and self._table[:2] == (columns, version):
-            return self._table[2]
-        array = self._put("table", np.ascontiguousarray(table[:, :columns]))
-        self._table = (columns, version, array)
+    def _table_of(self, group: int, table: np.ndarray, columns: int, version: int) -> Any:
+        """Group ``group``'s table's first ``columns`` columns on the device, copied again
+        only when the scheduler changed it."""
+        kept = self._tables.get(group)
+        if kept is not None and kept[:2] == (columns, version):
+            return kept[2]
+        array = self._put("table" if group == 0 else f"table {group}",
+                          np.ascontiguousarray(table[:, :columns]))
+        self._tables[group] = (columns, version, array)
         return array
 
 
-def _steps(model: Any, xp: Any) -> tuple[Any, Any]:
+def _steps(model: Any, xp: Any, groups: Groups | None = None) -> tuple[Any, Any]:
     """The two programs: prefill gives each lane's next token and logits; decode gives also
-    the positions of the next call (law 4)."""
+    the positions of the next call (law 4). With ``groups`` the index is one per group, and
+    the model is given each layer's (law 6)."""
+    layered = groups.per_layer if groups is not None else _same
 
     def prefill(weights, tokens, index, pools):
-        logits, pools = model.forward(weights, tokens, index, pools)
+        logits, pools = model.forward(weights, tokens, layered(index), pools)
         return xp.argmax(logits, axis=-1), logits, pools
 
     def decode(weights, tokens, index, pools):
-        logits, pools = model.forward(weights, tokens, index, pools)
+        logits, pools = model.forward(weights, tokens, layered(index), pools)
         chosen = xp.reshape(xp.astype(xp.argmax(logits, axis=-1), tokens.dtype), (-1, 1))
-        return chosen, logits, index.advance().pos, pools
+        first = index[0] if groups is not None else index
+        return chosen, logits, first.advance().pos, pools
 
     return prefill, decode
+
+
+def _same(index: Any) -> Any:
+    return index
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(model: Any, backend: Any, programs: int) -> tuple[Any, Any]:
+def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None
+              ) -> tuple[Any, Any]:
     """The model's two steps compiled for ``backend``, once per process (an engine made again
     for the same model finds its programs built), room for ``programs`` shapes each."""
     kept = _PROGRAMS.setdefault(model, {})
-    key = (backend.name, getattr(backend, "compiler", None))
+    key = (backend.name, getattr(backend, "compiler", None), groups)
     have = kept.get(key)
     if have is None or have[0] < programs:
-        prefill, decode = _steps(model, backend.xp)
+        prefill, decode = _steps(model, backend.xp, groups)
         have = (programs, backend.jit_step(prefill, donate_argnums=(3,), programs=programs),
                 backend.jit_step(decode, donate_argnums=(3,), programs=programs))
         kept[key] = have

@@ -51,7 +51,8 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
     :class:`cacheidx.serve.Engine` on the torch backend, on ``hf_model``'s device: paged pools
     of ``pages`` pages of ``page_size`` tokens (``None``: every prompt's pages), prompts'
     prefixes read from the prefix cache (``cache``), chunked prefill and continuous batching
-    (``engine_options``: ``lanes``, ``chunk``, ``compile``, ...). A prompt stops after
+    (``engine_options``: ``lanes``, ``chunk``, ``compile``, ...); a sliding group's pool
+    holds one window at least. A prompt stops after
     ``max_new_tokens`` tokens or at an id of :func:`stop_ids` (kept).
 
     The model's attention implementation is set back when it returns. Raises ``TypeError`` or
@@ -59,6 +60,7 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
     cannot serve, and :class:`~.served.TransformersModel`'s errors for a model it cannot."""
     from ... import backends
     from ...serve import Engine, Request
+    from ...serve.groups import Groups
     from ...serve.requests import checked
 
     stop = stop_ids(hf_model)
@@ -69,10 +71,11 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
         except (TypeError, ValueError) as e:
             raise type(e)(f"{_WHERE}: prompt {k}: {e}") from None
         requests.append(Request(k, **fields))
-    if pages is None:
-        pages = max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // page_size)
-                           for r in requests))
     served = model(hf_model)
+    if pages is None:  # every prompt's pages; a sliding group's pool holds one window at least
+        pages = Groups.of(served.windows).pools(
+            max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // page_size)
+                       for r in requests)), page_size)
     try:
         device = backends.get("torch").device_label(next(hf_model.parameters()).device)
         engine = Engine(served, backend="torch", device=engine_options.pop("device", device),

@@ -8,7 +8,9 @@ Laws:
    forward's keyword arguments (``cacheidx_index``, ``cacheidx_pools``: transformers passes a
    decoder's extra keywords down to its attention function), the layer's pools are
    ``cacheidx_pools[module.layer_idx]``, and the pools it wrote replace them in that list, which
-   the caller threads on. transformers' mask is not read: the index is the mask.
+   the caller threads on. transformers' mask is not read: the index is the mask. Where the
+   engine keeps a table per group of layers (``cacheidx.serve.groups``), ``cacheidx_index`` is
+   a list of each layer's index, and the layer reads ``cacheidx_index[module.layer_idx]``.
 2. A layer slides exactly where transformers' own mask slides (:func:`layer_windows`): it
    attends under ``index.window(w)``, which counts the token itself, as transformers' window
    does (a key at most ``w - 1`` positions before the query).
@@ -105,6 +107,8 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
                       f"called without {INDEX} and {POOLS}: serve the model through "
                       f"{_WHERE}.model (or set_attn_implementation back to 'eager' to call it "
                       "directly)")
+    if isinstance(index, list):  # one index a layer: its group's table (law 1)
+        index = index[layer]
     if dropout and module.training:
         raise ValueError(f"{_WHERE}: {type(module).__name__} is in training mode with dropout "
                          f"{dropout}; cacheidx attends for inference (call model.eval())")

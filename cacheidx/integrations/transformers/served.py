@@ -6,7 +6,10 @@ Laws:
 1. ``forward(weights, tokens, index, pools)`` is one call of the transformers model: its tokens,
    the index's positions as ``position_ids``, no transformers cache, the last token's logits
    only; every layer attends over its own pools (``[slots, kv_heads, head_dim]``, the model's
-   dtype, one key and one value pool a layer) and the pools it wrote come back.
+   dtype, one key and one value pool a layer) and the pools it wrote come back. ``index`` is
+   the index every layer reads, or a list of each layer's (the engine's table of the layer's
+   group, ``cacheidx.serve.groups``); ``slots`` of :meth:`~TransformersModel.pools` a number
+   or a list of each layer's.
 2. A model that cannot be served is refused when it is wrapped, with a ``ValueError`` naming
    the model and what it lacks: an encoder or encoder-decoder (no causal decoder), multi-head
    latent attention (it caches a latent, not keys and values per head), a kind of layer other
@@ -81,24 +84,25 @@ class TransformersModel:
         self.hf.to(device)
         return dict(self.hf.named_parameters())
 
-    def pools(self, weights: Any, slots: int) -> Any:
+    def pools(self, weights: Any, slots: Any) -> Any:
         """One ``(keys, values)`` pair of zeros a layer, ``[slots, kv_heads, head_dim]``, in the
-        model's dtype on its device."""
+        model's dtype on its device (``slots`` a number, or a list of each layer's)."""
         import torch
 
         p = next(self.hf.parameters())
-        shape = (slots, self.kv_heads, self.head_dim)
-        return [(torch.zeros(shape, dtype=self.hf.dtype, device=p.device),
-                 torch.zeros(shape, dtype=self.hf.dtype, device=p.device))
-                for _ in range(self.layers)]
+        each = [slots] * self.layers if isinstance(slots, int) else list(slots)
+        return [tuple(torch.zeros((n, self.kv_heads, self.head_dim), dtype=self.hf.dtype,
+                                  device=p.device) for _ in "kv")
+                for n in each]
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         """``(logits [batch, vocab], pools)``: law 1."""
         import torch
 
         written = list(pools)
+        first = index[0] if isinstance(index, list) else index
         with torch.no_grad():  # compiled too: pools that required grad would be a new program
-            out = self.hf(input_ids=tokens, position_ids=index.positions(), use_cache=False,
+            out = self.hf(input_ids=tokens, position_ids=first.positions(), use_cache=False,
                           logits_to_keep=1, **{attn.INDEX: index, attn.POOLS: written})
         return out.logits[:, -1, :], written
 
