@@ -108,19 +108,20 @@ def check(case: Case, ix, arrays, what: str, step=attend, extra=(), **options) -
     same(case, got[2], case.numpy(want_v), f"{what}: the value pool")
 
 
-#: what each compiled mode compiles here: the model laws compile the other kinds of index
-COMPILED = {"compiled": ("window", "window over blocks", "select, capped"), "symbolic": ()}
+#: what the static-shape mode compiles here: the model laws compile the other kinds of index
+COMPILED = ("window", "window over blocks", "select, capped")
+#: the modes these laws check: eager, and static shapes (the model laws compile attend under
+#: symbolic shapes through every layer they run)
+MODES = ("eager", "compiled")
 
 
 def compiles(case: Case, what: str) -> bool:
     """Whether ``case`` checks ``what``: eagerly everything, compiled what :data:`COMPILED`
-    names for its shapes (``dynamic`` and ``automatic`` are symbolic)."""
-    if not case.compiled:
-        return True
-    return what in COMPILED["compiled" if case.mode == "compiled" else "symbolic"]
+    names."""
+    return not case.compiled or what in COMPILED
 
 
-@law(family="attention")
+@law(family="attention", modes=MODES)
 def law_attend_is_softmax_attention_over_what_extend_sees(case: Case) -> None:
     """For every kind of index (rows, window, blocks, a window over blocks, a row map, a
     selection, a draft, whole, packed) attend's output is softmax attention over extend's seen
@@ -132,7 +133,7 @@ def law_attend_is_softmax_attention_over_what_extend_sees(case: Case) -> None:
         check(case, ix, inputs(case, ix, slots, seed), kind)
 
 
-@law(family="attention")
+@law(family="attention", modes=MODES)
 def law_softcap_sinks_and_scale_weigh_as_the_reference_does(case: Case) -> None:
     """Soft-capping, a sink per head and a scale of one's own change attend's weights as they
     change the reference's: over a selection (each token its own keys), a window and a
@@ -147,11 +148,12 @@ def law_softcap_sinks_and_scale_weigh_as_the_reference_does(case: Case) -> None:
               extra=(sinks,), scale=0.3, softcap=2.5, sinks=sinks)
 
 
-@law(family="attention")
+@law(family="attention", eager_only=True)
 def law_attend_reads_nothing_a_token_does_not_see(case: Case) -> None:
     """Pools of NaN wherever no token sees: a padded token and a lane of padding get exactly
     zero, with or without sinks; a hole weighs as a zero key with a zero value; columns below
-    a window, unallocated or past every position reach no output."""
+    a window, unallocated or past every position reach no output. (Compiled, the model law
+    of NaN pools checks it through a layer.)"""
     # lane 0: a hole at column 1 and a padded token; lane 1: row -1 (padding throughout);
     # lane 2: positions 4 to 6 of row 1
     ix = index(case, [[-1, 2, 3], [1, 2, 3], [4, 5, 6]],
@@ -165,8 +167,6 @@ def law_attend_reads_nothing_a_token_does_not_see(case: Case) -> None:
         for step, extra, options in ((attend, (), {}),
                                      (attend_capped, (sinks,),
                                       {"scale": 0.3, "softcap": 2.5, "sinks": sinks})):
-            if not compiles(case, f"window {w}" + (", capped" if extra else "")):
-                continue
             check(case, at, arrays, f"window {w}", step=step, extra=extra, **options)
             out = case.numpy(step(at, *(case.array(a) for a in arrays), *extra)[0])
             assert np.all(out[0, 0] == 0), f"a padded token's output is {out[0, 0]}"

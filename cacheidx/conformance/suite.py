@@ -45,14 +45,26 @@ class Law:
     doc: str
     eager_only: bool = False
     compiled_only: bool = False
-    #: ``"index"`` (the index's own laws), ``"model"`` (the decoder's through it) or
-    #: ``"shapes"`` (one step across shapes): a runner's jobs split the laws by family
+    #: ``"index"`` (the index's own laws), ``"attention"`` (attend's), ``"model"`` (the
+    #: decoder's through it) or ``"shapes"`` (one step across shapes): a runner's jobs split
+    #: the laws by family
     family: str = "index"
+    #: the modes the law checks, ``None`` for all
+    modes: tuple[str, ...] | None = None
 
     def runs(self, mode: str | bool) -> bool:
         """Whether the law has something to check in ``mode`` (``True``: any compiled one)."""
         compiled = mode not in ("eager", False)
+        if self.modes is not None and isinstance(mode, str) and mode not in self.modes:
+            return False
         return not (self.eager_only and compiled or self.compiled_only and not compiled)
+
+    @property
+    def checks(self) -> str:
+        """Which calls the law checks, in words (a skipped mode's reason)."""
+        if self.modes is not None:
+            return "only " + " and ".join(self.modes) + " calls"
+        return f"only {'eager' if self.eager_only else 'compiled'} calls"
 
     def __call__(self, case: Case) -> None:
         self.fn(case)
@@ -62,15 +74,16 @@ LAWS: list[Law] = []
 
 
 def law(fn: Callable | None = None, *, eager_only: bool = False, compiled_only: bool = False,
-        family: str | None = None) -> Any:
+        family: str | None = None, modes: tuple[str, ...] | None = None) -> Any:
     """Register a law; its name is the function's, less ``law_``; its doc the docstring's
-    first line; its family ``family``, else its module's (``model`` for the decoder's)."""
+    first line; its family ``family``, else its module's (``model`` for the decoder's); the
+    modes it checks ``modes`` (all by default)."""
 
     def register(f: Callable) -> Callable:
         doc = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
         kind = family or ("model" if f.__module__.endswith(".model") else "index")
         LAWS.append(Law(f.__name__.removeprefix("law_"), f, doc, eager_only, compiled_only,
-                        kind))
+                        kind, modes))
         return f
 
     return register(fn) if fn is not None else register
