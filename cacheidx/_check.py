@@ -71,3 +71,16 @@ def lengths(fn: str, name: str, lens: Any) -> list[int]:
         if n < 0:
             raise fail(fn, f"a length is negative: {n}")
     return out
+
+
+def positive_arg(text: str) -> int:
+    """An ``argparse`` type for the command lines: an integer of at least 1."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n

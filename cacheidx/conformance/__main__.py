@@ -9,20 +9,10 @@ import os
 import sys
 import time
 
+from .. import _check as check
 from .. import backends
 from .runner import DeviceMissing, machine, run, table
 from .suite import MODES
-
-
-def _positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
 
 
 def _writable(path: str) -> str | None:
@@ -59,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile backend for every compiled mode (default: aot_eager "
                         "for compiled, eager for dynamic and automatic; inductor generates "
                         "real kernels, ~15 s a program on two cores)")
-    parser.add_argument("--jobs", type=_positive, default=None,
+    parser.add_argument("--jobs", type=check.positive_arg, default=None,
                         help="worker processes at once (default: one per core; 1 runs here)")
     parser.add_argument("--failures", action="store_true", help="print each failing law")
     args = parser.parse_args(argv)
