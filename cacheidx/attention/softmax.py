@@ -144,7 +144,8 @@ class Online:
     split: bool = True
     #: columns a product reads at once within a tile (``None``: the whole tile): a lane's
     #: long run read a cache-sized chunk at a time, every kv head's product over one chunk
-    #: before the next, reads each key from memory once (at 16k tokens, a sixth faster)
+    #: before the next, reads each key from memory once (a decode layer at 4k tokens: a fifth
+    #: faster)
     chunk: int | None = None
 
     @classmethod
