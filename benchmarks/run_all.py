@@ -254,22 +254,27 @@ def plots(stem: str, data, img: Path) -> list[str]:
     decode = data.get("decode")
     if isinstance(decode, list) and decode and {"context", "engine", "tokens_per_s"} <= set(
             decode[0]):
-        fig, ax = plt.subplots(figsize=(6.5, 3.6))
-        for engine in dict.fromkeys(r["engine"] for r in decode):
-            pts = sorted((r["context"], r["tokens_per_s"]) for r in decode
-                         if r["engine"] == engine)
-            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine,
-                    ls="--" if engine.startswith("transformers") else "-")
-        floor = sorted({(r["context"], r["floor_ms"]) for r in decode if r.get("floor_ms")})
-        if floor:
-            ax.plot([c for c, _ in floor], [data.get("batch", 8) * 1e3 / f for _, f in floor],
-                    color="#999999", ls=":", label="memory-bandwidth bound")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens in each lane's cache")
-        ax.set_ylabel("decode tokens/s (batch 8)")
-        ax.set_title(f"{stem}: decode against context")
-        ax.legend(fontsize=7)
+        models = list(dict.fromkeys(r.get("model", "") for r in decode))
+        fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 3.8),
+                                 squeeze=False)
+        for ax, model in zip(axes[0], models):
+            mine = [r for r in decode if r.get("model", "") == model]
+            for engine in dict.fromkeys(r["engine"] for r in mine):
+                pts = sorted((r["context"], r["tokens_per_s"]) for r in mine
+                             if r["engine"] == engine)
+                ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine,
+                        ls="--" if engine.startswith("transformers") else "-")
+            floor = sorted({(r["context"], r["floor_ms"]) for r in mine if r.get("floor_ms")})
+            if floor:
+                ax.plot([c for c, _ in floor],
+                        [data.get("batch", 8) * 1e3 / f for _, f in floor],
+                        color="#999999", ls=":", label="memory-bandwidth bound")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens in each lane's cache")
+            ax.set_ylabel("decode tokens/s (batch 8)")
+            ax.set_title(model.split(" (")[0] or f"{stem}: decode against context", fontsize=9)
+            ax.legend(fontsize=7)
         save(fig, "decode")
     prefill = data.get("prefill")
     if isinstance(prefill, list) and prefill and {"tokens", "backend", "peak_mb"} <= set(
