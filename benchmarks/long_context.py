@@ -419,7 +419,7 @@ def main(argv=None) -> int:
                   f"{r['scores_mb']:.0f} | {r['seconds']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": name, "batch": BATCH, "steps": args.steps, "decode": rows,
+            json.dump({"batch": BATCH, "steps": args.steps, "decode": rows,  # rows name models
                        "prefill": memory}, f, indent=2)
     return 0
 
