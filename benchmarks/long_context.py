@@ -217,11 +217,12 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def decode_rows(args, model, config, params, contexts) -> list[dict]:
+def decode_rows(args, model, config, params, contexts, bw: float) -> list[dict]:
+    """The decode rows of one model at ``contexts``; ``bw`` is the machine's read speed in
+    bytes a second (infinite where not measured)."""
     rows = []
     wbytes = weight_bytes(params)
-    bw = bandwidth() if args.device == "cpu" else float("inf")
-    say(f"memory bandwidth (one thread): {bw / 1e9:.1f} GB/s; weights {wbytes / 2**20:.0f} MB")
+    say(f"weights {wbytes / 2**20:.0f} MB")
     for context in contexts:
         layers, first = cache(config, context, args.steps)
         cache_bytes = 2 * config.layers * BATCH * context * config.kv_heads * config.head_dim * 4
@@ -395,6 +396,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     models = [] if args.smollm2 else [("shaped", args.contexts)]
     models += [("smollm2", args.smollm2_contexts)] if args.smollm2_contexts else []
+    # measured once, so that every model's floor is drawn from the same speed
+    bw = bandwidth() if args.device == "cpu" else float("inf")
+    say(f"memory bandwidth (one thread): {bw / 1e9:.1f} GB/s")
     rows = []
     for which, contexts in models:
         try:
@@ -402,7 +406,7 @@ def main(argv=None) -> int:
         except Exception as e:  # SmolLM2's file missing here: said so, not hidden
             say(f"{which}: not measured ({type(e).__name__}: {e})")
             continue
-        got = decode_rows(args, model, config, params, contexts)
+        got = decode_rows(args, model, config, params, contexts, bw)
         for r in got:
             r["model"] = name
         rows += got
