@@ -176,13 +176,16 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
     width = context + steps + 2
     index = ci.rows(width, [context] * BATCH, xp=backend, device=where)
     weights = llama.convert(params, xp=xp, device=where)
+    # the library's own pools (head-major on the CPU: cacheidx.attention.layout), filled
     pools = []
-    for k, v in layers:
-        pk = np.zeros((BATCH * width, config.kv_heads, config.head_dim), np.float32)
-        pv = np.zeros_like(pk)
-        for b in range(BATCH):
-            pk[b * width:b * width + context], pv[b * width:b * width + context] = k[b], v[b]
-        pools.append((xp.asarray(pk, device=where), xp.asarray(pv, device=where)))
+    for (k, v), (pk, pv) in zip(layers, llama.empty_pools(config, BATCH * width,
+                                                          like=weights["embed"])):
+        slots = xp.asarray(np.concat([np.arange(b * width, b * width + context)
+                                      for b in range(BATCH)]), device=where)
+        rows = [xp.asarray(x.reshape(BATCH * context, *x.shape[2:]), device=where)
+                for x in (k, v)]
+        pools.append((be.scatter(pk, slots, rows[0], donate=True),
+                       be.scatter(pv, slots, rows[1], donate=True)))
 
     def forward(weights, tokens, index, pools):
         logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,

@@ -30,6 +30,7 @@ import numpy as np
 from .. import backends
 from ..backends.base import inside
 from ..devices import to_host as host
+from . import layout
 from .softmax import Online, group, ungroup
 
 __all__ = ["read"]
@@ -155,6 +156,8 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
     """One lane's output in the lane layout: each block of its queries over its pieces.
     ``own()`` is the lane's own index, made only when a piece needs a mask."""
     xp, kpool, vpool = call.index.xp, call.kpool, call.vpool
+    # a head-major pool's heads are each a contiguous block: a product streams one whole
+    interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
 
     def view(pool: Any, s0: int, width: int) -> Any:
         return pool[s0:s0 + width, ...][None, ...]
@@ -163,7 +166,7 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype)
         row = int(kpool.shape[1]) * int(kpool.shape[2]) * _bytes(xp, kpool.dtype)
-        if max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
+        if interleaved and max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
             state.chunk = max(64, CHUNK // row)
         part = None
         for c0, c1, s0, full in pieces:

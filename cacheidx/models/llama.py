@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from array_api_compat import array_namespace
 
+from ..attention import layout as pool_layout
 from ..attention.softmax import reference
 
 __all__ = [
@@ -200,12 +201,15 @@ def _namespace(xp):
     return array_namespace(m.zeros(1))
 
 
-def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device=None):
+def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device=None,
+                layout=None):
     """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros
     (``slots`` a number, or a sequence of each layer's: layers whose windows differ keep pools
     of their own sizes, ``cacheidx.serve.groups``).
 
     The namespace, dtype and device are those of the array ``like`` (a weight, say) unless given.
+    ``layout`` is the pools' memory order (:mod:`cacheidx.attention.layout`: ``"head"``,
+    ``"token"``, or ``None`` for head-major on the CPU).
     """
     if like is not None:
         xp = array_namespace(like) if xp is None else _namespace(xp)
@@ -220,10 +224,8 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
                          f"{config.layers} layers")
 
     def zeros(n):
-        shape = (int(n), config.kv_heads, config.head_dim)
-        if device is None:
-            return xp.zeros(shape, dtype=dtype)
-        return xp.zeros(shape, dtype=dtype, device=device)
+        return pool_layout.zeros(xp, n, config.kv_heads, config.head_dim, dtype=dtype,
+                                 device=device, layout=layout)
 
     return [(zeros(n), zeros(n)) for n in each]
 

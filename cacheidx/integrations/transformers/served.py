@@ -86,13 +86,16 @@ class TransformersModel:
 
     def pools(self, weights: Any, slots: Any) -> Any:
         """One ``(keys, values)`` pair of zeros a layer, ``[slots, kv_heads, head_dim]``, in the
-        model's dtype on its device (``slots`` a number, or a list of each layer's)."""
-        import torch
+        model's dtype on its device (``slots`` a number, or a list of each layer's), laid out as
+        :mod:`cacheidx.attention.layout` chooses (head-major on the CPU)."""
+        import array_api_compat.torch as xp
+
+        from ...attention import layout
 
         p = next(self.hf.parameters())
         each = [slots] * self.layers if isinstance(slots, int) else list(slots)
-        return [tuple(torch.zeros((n, self.kv_heads, self.head_dim), dtype=self.hf.dtype,
-                                  device=p.device) for _ in "kv")
+        return [tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim, dtype=self.hf.dtype,
+                                   device=p.device) for _ in "kv")
                 for n in each]
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
