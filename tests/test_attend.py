@@ -230,3 +230,40 @@ def test_a_long_view_read_in_chunks_gives_what_it_gives_whole(monkeypatch):
     chunked, _, _ = ci.rows(300, [290, 299]).advance().window(250).attend(
         q, k, k, kpool.copy(), vpool.copy())
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax"])
+def test_pools_are_head_major_on_the_cpu_where_the_library_keeps_strides(name):
+    """``empty_pools`` lays each head's slots one after another on the CPU (NumPy, torch);
+    ``layout="token"`` gives the row-major order; JAX keeps no strides and lays out its own."""
+    from cacheidx.attention import layout
+    from cacheidx.models import llama
+
+    if name not in ci.backends.available():
+        pytest.skip(f"{name} is not installed")
+    xp = ci.backends.get(name).xp
+    config = llama.Config(vocab=8, dim=12, layers=1, heads=3, kv_heads=3, hidden=8, head_dim=4)
+    (k, v), = llama.empty_pools(config, 10, xp=name)
+    assert tuple(k.shape) == (10, 3, 4) and np.all(np.asarray(v) == 0)
+    assert layout.head_major(k) == (name != "jax")
+    (k, _), = llama.empty_pools(config, 10, xp=name, layout="token")
+    assert not layout.head_major(k)
+    with pytest.raises(ValueError, match="layout.zeros: layout must be one of"):
+        layout.zeros(xp, 10, 3, 4, dtype=xp.float32, layout="nhd")
+
+
+def test_both_memory_orders_give_one_output_and_one_store(monkeypatch):
+    """A head-major pool and a token-major one of the same values: the same stores, and outputs
+    equal to the tolerance (the token-major run is read in chunks, the head-major one whole)."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 1, 4, D)).astype(np.float32)
+    k = rng.standard_normal((2, 1, KV, D)).astype(np.float32)
+    token = [rng.standard_normal((600, KV, D)).astype(np.float32) for _ in range(2)]
+    head = [np.ascontiguousarray(p.transpose(1, 0, 2)).transpose(1, 0, 2) for p in token]
+    monkeypatch.setattr(runs_module, "LONG", 64 * KV * D * 4)
+    monkeypatch.setattr(runs_module, "CHUNK", 48 * KV * D * 4)
+    got = [ci.rows(300, [290, 299]).advance().attend(q, k, k, *pools, donate=True)
+           for pools in (token, head)]
+    np.testing.assert_allclose(got[1][0], got[0][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[1][1], got[0][1])
+    assert got[1][1] is head[0] and not head[0].flags.c_contiguous  # stored in place

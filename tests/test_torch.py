@@ -645,3 +645,71 @@ def test_the_linear_product_under_inference_mode_is_onednn_s_and_close():
     assert not torch.is_inference_mode_enabled()
     with torch.inference_mode():  # anything else than float32 matrices: plain @
         same(BACKEND.matmul(a.double(), b.double()), a.double() @ b.double())
+
+
+# -- attend compiled: one operator, the eager code inside -------------------------------------
+
+def attend_inputs(seed=0):
+    """A decode step over two lanes of rows (one windowed), with pools head-major in memory."""
+    from cacheidx.attention import layout
+
+    rng = np.random.default_rng(seed)
+    index = ci.rows(8, [5, 3], xp="torch").advance()
+    q, k, v = (torch.from_numpy(rng.standard_normal(s, dtype=np.float32))
+               for s in ((2, 1, 4, 3), (2, 1, 2, 3), (2, 1, 2, 3)))
+    pools = []
+    for _ in "kv":
+        pool = layout.zeros(torch_xp(), 16, 2, 3, dtype=torch.float32, layout="head")
+        pools.append(pool.copy_(torch.from_numpy(rng.standard_normal((16, 2, 3),
+                                                                      dtype=np.float32))))
+    return index, q, k, v, *pools
+
+
+def torch_xp():
+    import array_api_compat.torch
+
+    return array_api_compat.torch
+
+
+def attend_step(index, q, k, v, kpool, vpool, donate):
+    return index.attend(q, k, v, kpool, vpool, scale=0.5, softcap=3.0, donate=donate)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_compiled_attend_is_the_eager_call_in_one_operator(window):
+    """Under torch.compile a call is ``cacheidx::attend``, which runs the eager code: the same
+    output and pools bit for bit; donated, it stores into the caller's pools; not donated, the
+    caller's pools are unchanged. The operator's schema and fake pass torch's own checks."""
+    index, q, k, v, kpool, vpool = attend_inputs()
+    index = index if window is None else index.window(window)
+    want = attend_step(index, q, k, v, kpool.clone(), vpool.clone(), True)
+    fn = compiled(attend_step)
+    before = kpool.clone()
+    got = fn(index, q, k, v, kpool, vpool, False)
+    same(kpool, before)
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+    got = fn(index, q, k, v, kpool, vpool, True)
+    assert got[1].data_ptr() == kpool.data_ptr()
+    same(kpool, want[1])
+    from cacheidx.attention import torch as path
+    from cacheidx.index import _flatten
+
+    leaves, (structure, _) = _flatten(index)
+    torch.library.opcheck(torch.ops.cacheidx.attend,
+                          (path._encode(structure), leaves, q, k, v, kpool.clone(),
+                           vpool.clone(), None, 0.5, 3.0, None))
+
+
+def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients():
+    """Where gradients are wanted the operator (which has no backward) steps aside: the traced
+    tiles compute the call, and the gradients of q and of the pools equal eager's."""
+    index, q, k, v, kpool, vpool = attend_inputs(1)
+    grads = []
+    for fn in (attend_step, compiled(attend_step)):
+        qq, kp = q.clone().requires_grad_(), kpool.clone().requires_grad_()
+        out, _, _ = fn(index, qq, k, v, kp, vpool.clone(), False)
+        out.square().sum().backward()
+        grads.append((out.detach(), qq.grad, kp.grad))
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

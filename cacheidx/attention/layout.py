@@ -33,8 +33,8 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
                          f"or None, got {layout!r}")
     where = {} if device is None else {"device": device}
     heads = xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where)
-    if layout is None:
-        layout = "head" if _on_cpu(heads) else "token"
+    if layout is None:  # a library without strides lays the pool out itself
+        layout = "head" if _strides(heads) is not None and _on_cpu(heads) else "token"
     if layout == "token":
         return xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
     return xp.permute_dims(heads, (1, 0, 2))
@@ -43,10 +43,17 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
 def head_major(pool: Any) -> bool:
     """Whether ``pool`` ``[slots, kv, dim]`` keeps each head's slots one after another (its
     slot stride below its head stride); ``False`` where the library shows no strides."""
-    strides = pool.stride() if callable(getattr(pool, "stride", None)) else getattr(
-        pool, "strides", None)
+    strides = _strides(pool)
     return (strides is not None and len(strides) == 3 and int(pool.shape[1]) > 1
             and strides[0] < strides[1])
+
+
+def _strides(x: Any) -> tuple[int, ...] | None:
+    """``x``'s strides (in elements or bytes: only their order matters), ``None`` where its
+    library shows none."""
+    if callable(getattr(x, "stride", None)):  # torch
+        return tuple(x.stride())
+    return getattr(x, "strides", None)
 
 
 def _on_cpu(x: Any) -> bool:

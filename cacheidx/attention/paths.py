@@ -8,8 +8,8 @@ apply, which leaves the call to the core. :func:`~cacheidx.attention.stored` and
 
 Paths live beside the core rather than on :class:`~cacheidx.backends.Backend`, which says how
 to store, read and compile, not how to attend. A third party registers one under the entry-point
-group ``cacheidx.attention``, keyed by its backend's name; like a backend, a path's module is
-imported only when an index of its library first attends.
+group ``cacheidx.attention``, keyed by its backend's name; a path's module is imported when its
+backend is first made (a compiler tracing a call could not import it), never before.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ GROUP = "cacheidx.attention"
 
 _BUILTIN = {
     "jax": "cacheidx.attention.jax:JaxPath",
+    "torch": "cacheidx.attention.torch:TorchPath",
 }
 
 

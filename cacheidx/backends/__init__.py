@@ -56,8 +56,11 @@ def _class(name: str) -> type[Backend]:
 
 @cache
 def _instance(name: str) -> Backend:
+    from ..attention import paths
+
     backend = _class(name)()
     backend.register(_index_class())
+    paths.fast(backend)  # its attention path made now: a compiler tracing a call cannot import
     return backend
 
 
