@@ -677,12 +677,14 @@ def attend_step(index, q, k, v, kpool, vpool, donate):
 
 @pytest.mark.parametrize("window", [None, 2])
 def test_compiled_attend_is_the_eager_call_in_one_operator(window):
-    """Under torch.compile a call is ``cacheidx::attend``, which runs the eager code: the same
-    output and pools bit for bit; donated, it stores into the caller's pools; not donated, the
-    caller's pools are unchanged. The operator's schema and fake pass torch's own checks."""
+    """Under torch.compile a call is ``cacheidx::attend``, which runs the eager code of a
+    serving step (under inference mode): the same output and pools bit for bit; donated, it
+    stores into the caller's pools; not donated, the caller's pools are unchanged. The
+    operator's schema and fake pass torch's own checks."""
     index, q, k, v, kpool, vpool = attend_inputs()
     index = index if window is None else index.window(window)
-    want = attend_step(index, q, k, v, kpool.clone(), vpool.clone(), True)
+    with torch.inference_mode():
+        want = attend_step(index, q, k, v, kpool.clone(), vpool.clone(), True)
     fn = compiled(attend_step)
     before = kpool.clone()
     got = fn(index, q, k, v, kpool, vpool, False)
@@ -713,3 +715,34 @@ def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients()
         grads.append((out.detach(), qq.grad, kp.grad))
     for g, w in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seq", [1, 40])
+@pytest.mark.parametrize("inference", [False, True])
+def test_head_major_products_give_the_standards_output(seq, inference):
+    """Over head-major pools torch's own products (keys first for a decode's few queries,
+    oneDNN's linear for the values under inference mode) give the standard products' output
+    to float32's rounding, a decode's and a prefill block's."""
+    from cacheidx.attention import layout
+    from cacheidx.attention import torch as path
+
+    rng = np.random.default_rng(seq)
+    index = ci.rows(64, [20, 50], xp="torch").advance() if seq == 1 else ci.rows(
+        64, [seq, seq - 7], xp="torch")
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, seq, h, 8), dtype=np.float32))
+               for h in (6, 2, 2))
+    outs = []
+    for lay in ("head", "token"):  # token-major: no products of torch's own
+        pools = [layout.zeros(torch_xp(), 128, 2, 8, dtype=torch.float32, layout=lay)
+                 for _ in "kv"]
+        for p in pools:
+            p.copy_(torch.from_numpy(rng.standard_normal((128, 2, 8), dtype=np.float32)))
+        ctx = torch.inference_mode() if inference else torch.no_grad()
+        with ctx:
+            assert (path.TorchPath().products(ci.backends.get("torch"), *pools) is None) == (
+                lay == "token")
+            outs.append(index.attend(q, k, v, *[p.clone() for p in pools])[0])
+        rng = np.random.default_rng(seq)  # the same values again
+        q, k, v = (torch.from_numpy(rng.standard_normal((2, seq, h, 8), dtype=np.float32))
+                   for h in (6, 2, 2))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

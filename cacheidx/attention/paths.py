@@ -17,7 +17,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-__all__ = ["Path", "fast"]
+__all__ = ["Path", "Products", "fast", "products"]
 
 GROUP = "cacheidx.attention"
 
@@ -30,6 +30,17 @@ _BUILTIN = {
 class Path(Protocol):
     def attend(self, call: Any) -> tuple[Any, Any, Any] | None:
         """``(out, kpool', vpool')`` of ``call``, or ``None`` where this path does not apply."""
+
+
+class Products(Protocol):
+    """A library's own matrix products for one lane's views (optional: a path may offer them
+    through ``products(backend, kpool, vpool)``, returning ``None`` where they do not pay)."""
+
+    def scores(self, q: Any, keys: Any) -> Any:
+        """``q`` ``[1, kv, m, d]`` against ``keys`` ``[1, T, kv, d]``: ``[1, kv, m, T]``."""
+
+    def weigh(self, p: Any, values: Any) -> Any:
+        """``p`` ``[1, kv, m, T]`` times ``values`` ``[1, T, kv, dv]``: ``[1, kv, m, dv]``."""
 
 
 def _targets() -> dict[str, str]:
@@ -57,3 +68,9 @@ def fast(backend: Any) -> Path | None:
         module, _, attr = _TARGETS[name].partition(":")
         path = _MADE[name] = getattr(importlib.import_module(module), attr)()
     return path
+
+
+def products(backend: Any, kpool: Any, vpool: Any) -> Products | None:
+    """The products ``backend``'s path offers for views of these pools, or ``None``."""
+    make = getattr(fast(backend), "products", None)
+    return None if make is None else make(backend, kpool, vpool)

@@ -30,7 +30,7 @@ import numpy as np
 from .. import backends
 from ..backends.base import inside
 from ..devices import to_host as host
-from . import layout
+from . import layout, paths
 from .softmax import Online, group, ungroup
 
 __all__ = ["read"]
@@ -158,13 +158,15 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
     xp, kpool, vpool = call.index.xp, call.kpool, call.vpool
     # a head-major pool's heads are each a contiguous block: a product streams one whole
     interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
+    own_products = paths.products(call.index.backend, kpool, vpool)
 
     def view(pool: Any, s0: int, width: int) -> Any:
         return pool[s0:s0 + width, ...][None, ...]
 
     parts = []
     for i0, i1, pieces in blocks:
-        state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype)
+        state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
+                       products=own_products)
         row = int(kpool.shape[1]) * int(kpool.shape[2]) * _bytes(xp, kpool.dtype)
         if interleaved and max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
             state.chunk = max(64, CHUNK // row)

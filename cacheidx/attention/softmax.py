@@ -147,6 +147,8 @@ class Online:
     #: before the next, reads each key from memory once (a decode layer at 4k tokens: a fifth
     #: faster)
     chunk: int | None = None
+    #: a library's own products for one lane's views (:class:`~.paths.Products`), or None
+    products: Any = None
 
     @classmethod
     def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
@@ -177,6 +179,8 @@ class Online:
 
     def _lane_scores(self, qh: Any, keys: Any) -> Any:
         xp = self.xp
+        if self.products is not None and keys.shape[0] == 1:
+            return self.products.scores(qh, keys)
         if keys.shape[0] == 1 or not self.split:  # one lane: its heads are the batch
             return qh @ xp.permute_dims(keys, (0, 2, 3, 1))
         # lanes and heads would not fold into one batch: a product per kv head
@@ -223,6 +227,8 @@ class Online:
 
     def _lane_weigh(self, ph: Any, values: Any) -> Any:
         xp = self.xp
+        if self.products is not None and values.shape[0] == 1:
+            return self.products.weigh(ph, values)
         if values.shape[0] == 1 or not self.split:
             return ph @ xp.permute_dims(values, (0, 2, 1, 3))
         return xp.stack([ph[:, h, ...] @ values[:, :, h, :] for h in range(values.shape[2])],
