@@ -12,7 +12,8 @@ mutates them): eager and compiled calls compute the same thing by the same code.
 structure travels as a string, the only static value an operator takes beside numbers.
 
 Under autograd (a training step through a whole index) the traced tiles stay: the operator has
-no backward.
+no backward. On a GPU they stay too: the operator plans its reads on the host, and a CUDA graph
+(the engine's compiled steps there) cannot capture a copy to the host.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class TorchPath:
         index = call.index
         if not index.backend.tracing(index.pos):
             return None  # eagerly the core reads views itself
+        if call.q.device.type != "cpu":
+            # the operator plans its reads on the host, which a CUDA graph cannot capture
+            # (the engine replays its steps as ones): on a GPU the traced tiles stay
+            return None
         arrays = [a for a in (call.q, call.k, call.v, call.kpool, call.vpool, call.sinks)
                   if a is not None]
         if torch.is_grad_enabled() and any(a.requires_grad for a in arrays):
