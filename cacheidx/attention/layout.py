@@ -9,8 +9,10 @@ what a read streams differs. An attention layer reads one head's keys of a run o
 time: head-major, that is one contiguous block the prefetcher follows; token-major, a stride
 of ``kv_heads * dim`` elements apart, and on the CPU it waits on memory (one decode layer, 8
 lanes of 4,096 tokens, 3 kv heads of 64, one thread, pools cold: 5.8 ms token-major, 4.1 ms
-head-major, torch's SDPA over contiguous head-major keys 5.2 ms). JAX keeps no strides: its
-compiler lays the pool out and the layout is moot there.
+head-major, torch's SDPA over contiguous head-major keys 5.2 ms). Not every read gains:
+NumPy's ``take`` copies a whole pool that is not row-major before it gathers, so only a
+library whose attention path says so (its ``layout(pool)``: PyTorch's, on the CPU) gets
+head-major pools by default. JAX keeps no strides: its compiler lays the pool out.
 """
 
 from __future__ import annotations
@@ -26,18 +28,21 @@ LAYOUTS = ("token", "head")
 def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = None,
           layout: str | None = None) -> Any:
     """A pool of zeros ``[slots, kv, dim]`` whose memory is in ``layout`` order: ``"head"``,
-    ``"token"``, or ``None`` for head-major on the CPU, where it was measured to pay, and
-    token-major elsewhere (a GPU's own row kernels want contiguous pools)."""
+    ``"token"``, or ``None`` for the order the library's attention path prefers for a pool on
+    that device (``layout(pool)`` of :mod:`~cacheidx.attention.paths`), token-major where it
+    states none."""
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"cacheidx.attention.layout.zeros: layout must be one of {LAYOUTS} "
                          f"or None, got {layout!r}")
     where = {} if device is None else {"device": device}
-    heads = xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where)
-    if layout is None:  # a library without strides lays the pool out itself
-        layout = "head" if _strides(heads) is not None and _on_cpu(heads) else "token"
+    token = xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
+    if layout is None:
+        layout = _preferred(token)
     if layout == "token":
-        return xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
-    return xp.permute_dims(heads, (1, 0, 2))
+        return token
+    del token
+    return xp.permute_dims(xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where),
+                           (1, 0, 2))
 
 
 def head_major(pool: Any) -> bool:
@@ -56,10 +61,13 @@ def _strides(x: Any) -> tuple[int, ...] | None:
     return getattr(x, "strides", None)
 
 
-def _on_cpu(x: Any) -> bool:
-    from array_api_compat import device
-
+def _preferred(pool: Any) -> str:
+    """The order the attention path of ``pool``'s library prefers for it, ``"token"`` where
+    it has no path, states none, or the library keeps no strides."""
     from .. import backends
+    from . import paths
 
-    backend = backends.get(x)
-    return backend.device_label(device(x)) == "cpu"
+    prefer = getattr(paths.fast(backends.get(pool)), "layout", None)
+    if prefer is None or _strides(pool) is None:
+        return "token"
+    return prefer(pool)

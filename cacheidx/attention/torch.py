@@ -53,6 +53,11 @@ class TorchPath:
         return out, kpool, vpool
 
 
+    def layout(self, pool: Tensor) -> str:
+        """Head-major on the CPU, where views and :class:`HeadMajor` pay; token-major on a
+        GPU, whose row kernels want contiguous pools."""
+        return "head" if pool.device.type == "cpu" else "token"
+
     def products(self, backend: Any, kpool: Any, vpool: Any) -> Any:
         """One lane's products over head-major pools on the CPU (:class:`HeadMajor`), or
         ``None``."""
@@ -65,6 +70,10 @@ class TorchPath:
 #: the most query rows per kv head (grouped heads x tokens) whose scores are computed keys
 #: first: a decode step's few (an 8,192-token prefill, keys first 1.9 to 2.4 s, plain 1.3 to 1.5)
 FEW = 16
+#: the fewest columns for which the products of their own pay for their extra calls: below,
+#: one product over all heads (a chat served at 60 to 300 tokens of context: 27.6 tokens/s
+#: with these products on every piece, 32.9 without)
+SHORT = 512
 
 
 class HeadMajor(NamedTuple):
@@ -75,8 +84,9 @@ class HeadMajor(NamedTuple):
     backend: Any
 
     def scores(self, q: Tensor, keys: Tensor) -> Tensor:
-        if q.shape[2] > FEW:  # a prefill's block: the plain product (a transposed one's
-            return q @ keys.permute(0, 2, 3, 1)  # softmax would run over strided scores)
+        if q.shape[2] > FEW or keys.shape[1] < SHORT:  # a prefill's block (a transposed
+            # product's softmax would run over strided scores), or too few keys to pay
+            return q @ keys.permute(0, 2, 3, 1)
         # K_h q_h^T, long rows of keys against the few queries (MKL's q K^T with a few rows
         # streams the keys slower: 1.95 against 1.39 ms for that layer's scores); the
         # transpose back is a view
@@ -86,6 +96,8 @@ class HeadMajor(NamedTuple):
     def weigh(self, p: Tensor, values: Tensor) -> Tensor:
         # the backend's product with a weight (oneDNN's linear under inference mode, which
         # streams V_h twice as fast as MKL's P V_h there: 1.0 against 1.9 ms), head by head
+        if values.shape[1] < SHORT:
+            return p @ values.permute(0, 2, 1, 3)
         v = values[0]
         return torch.stack([self.backend.matmul(p[0, h], v[:, h, :])
                             for h in range(v.shape[1])])[None]
