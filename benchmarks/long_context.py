@@ -1,6 +1,7 @@
 """Long-context decode: tokens per second of a batch of 8 lanes whose caches hold 1k, 4k or
 16k tokens, cacheidx's attention over the pools in place beside transformers' static and
-dynamic caches, on two models; and the peak memory of a one-layer prefill of 4k to 16k tokens.
+dynamic caches, on two models; one decode layer's attention over token- and head-major pools
+against SDPA; and the peak memory of a one-layer prefill of 4k to 16k tokens.
 
 The models are SmolLM2-135M's shape cut to 2 layers with a 4,096-token vocabulary (random
 weights, one transformers ``LlamaForCausalLM`` and the same weights as ``cacheidx.models.llama``
@@ -21,6 +22,7 @@ can beat.
     python benchmarks/long_context.py [--json PATH] [--quick] [--contexts 1024 4096 ...]
                                       [--smollm2-contexts 1024 ...] [--smollm2] [--steps N]
                                       [--engines NAME ...] [--prefill 4096 ...]
+                                      [--layer 4096 ...]
 """
 
 from __future__ import annotations
@@ -263,6 +265,68 @@ def decode_rows(args, model, config, params, contexts, bw: float) -> list[dict]:
     return rows
 
 
+# -- one decode layer: where the attention's time goes --------------------------------------
+def layer_rows(contexts, sets: int = 4, repeats: int = 5) -> list[dict]:
+    """One decode layer's attention in torch (8 lanes, 9 query and 3 kv heads of 64, float32,
+    one thread, under inference mode): ``attend`` over token-major and head-major pools (the
+    library's layout on the CPU), and SDPA over contiguous head-major keys as transformers'
+    static cache reads them. ``sets`` sets of pools in turn, so that each call finds its keys
+    in memory rather than in the caches (as in a model, whose other layers pass in between);
+    milliseconds a call, the best and the median of ``repeats`` rounds."""
+    rng = np.random.default_rng(2)
+    return [row for n in contexts for row in _one_layer(n, rng, sets, repeats)]
+
+
+def _one_layer(n: int, rng, sets: int, repeats: int) -> list[dict]:
+    import array_api_compat.torch as xt
+    import torch
+
+    import cacheidx as ci
+    from cacheidx.attention import layout
+
+    kv, group, d = 3, 3, 64
+    width = n + 16
+    index = ci.rows(width, [n] * BATCH, xp="torch").advance()
+    q, k, v = (torch.from_numpy(rng.standard_normal((BATCH, 1, h, d), dtype=np.float32))
+               for h in (kv * group, kv, kv))
+    filled = [[torch.from_numpy(rng.standard_normal((BATCH * width, kv, d), dtype=np.float32))
+               for _ in "kv"] for _ in range(sets)]
+    pools = {order: [[layout.zeros(xt, BATCH * width, kv, d, dtype=torch.float32,
+                                   layout=order).copy_(p) for p in pair] for pair in filled]
+             for order in ("token", "head")}
+    # transformers' static cache: [batch, kv, width, d], each lane's context contiguous
+    static = [[p.view(BATCH, width, kv, d).transpose(1, 2).contiguous() for p in pair]
+              for pair in filled]
+    qh = q.transpose(1, 2)
+
+    def sdpa(s):
+        kc, vc = static[s]
+        return torch.nn.functional.scaled_dot_product_attention(
+            qh, kc[:, :, :n + 1], vc[:, :, :n + 1], enable_gqa=True)
+
+    def attend(order):
+        return lambda s: index.attend(q, k, v, *pools[order][s], donate=True)[0]
+
+    rows = []
+    ways = [("attend, token-major pools", attend("token")),
+            ("attend, head-major pools", attend("head")),
+            ("SDPA, contiguous head-major keys", sdpa)]
+    with torch.inference_mode():
+        for name, fn in ways:
+            for s in range(sets):
+                fn(s)
+            rounds = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for s in range(sets):
+                    fn(s)
+                rounds.append((time.perf_counter() - t0) / sets * 1e3)
+            rows.append({"context": n, "way": name, "best_ms": min(rounds),
+                         "median_ms": statistics.median(rounds)})
+            say(f"layer at {n}, {name}: {min(rounds):.2f} ms")
+    return rows
+
+
 def run_engine(engine, model, config, params, layers, first, context, steps, device):
     if engine.startswith("transformers"):
         return hf_engine(model, layers, first, context, steps, engine.split()[-1], device)
@@ -379,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     p.add_argument("--prefill", type=int, nargs="*", default=[4096, 8192, 16384])
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--layer", type=int, nargs="*", default=[4096, 16384],
+                   help="contexts of the one-layer attention timings (none: leave them out)")
     p.add_argument("--smollm2-contexts", type=int, nargs="*", default=[1024, 4096],
                    help="contexts of the real SmolLM2-135M-Instruct (none: leave it out)")
     p.add_argument("--smollm2", action="store_true",
@@ -393,6 +459,7 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.contexts, args.steps, args.prefill, args.smollm2_contexts = [1024], 4, [], []
+        args.layer = []
     if args.device != "cpu":
         args.engines = [e for e in args.engines if e != "cacheidx numpy"]
         args.prefill = []
@@ -417,6 +484,15 @@ def main(argv=None) -> int:
         rows += got
         del model, params
         decode_table(name, got, args.steps)
+    layer = layer_rows(args.layer) if args.layer and args.device == "cpu" else []
+    if layer:
+        print("\nOne decode layer's attention in torch (8 lanes, 9 query and 3 kv heads of 64, "
+              "one thread, 4 sets of pools in turn): ms a call, best and median of 5 rounds."
+              "\n")
+        print("| context | way | best ms | median ms |")
+        print("|---:|---|---:|---:|")
+        for r in layer:
+            print(f"| {r['context']} | {r['way']} | {r['best_ms']:.2f} | {r['median_ms']:.2f} |")
     memory = prefill_memory(args) if args.prefill else []
     if memory:
         print("\nOne layer's prefill (batch 1, 9 query and 3 kv heads of 64, float32): peak "
@@ -429,7 +505,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": BATCH, "steps": args.steps, "decode": rows,  # rows name models
-                       "prefill": memory}, f, indent=2)
+                       "layer": layer, "prefill": memory}, f, indent=2)
     return 0
 
 
