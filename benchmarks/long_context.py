@@ -178,7 +178,7 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
     width = context + steps + 2
     index = ci.rows(width, [context] * BATCH, xp=backend, device=where)
     weights = llama.convert(params, xp=xp, device=where)
-    # the library's own pools (head-major for torch on the CPU: cacheidx.attention.layout), filled
+    # the library's own pools (head-major on the CPU: cacheidx.attention.layout), filled
     pools = []
     for (k, v), (pk, pv) in zip(layers, llama.empty_pools(config, BATCH * width,
                                                           like=weights["embed"])):
@@ -377,7 +377,7 @@ def one_prefill(backend: str, n: int) -> tuple[float, float]:
     xp = be.xp
 
     def arrays(m):
-        # the pools as the library lays them out (head-major for torch on the CPU)
+        # the pools as the library lays them out (head-major on the CPU)
         pools = [layout.zeros(xp, m, 3, 64, dtype=xp.float32) for _ in "kv"]
         return [xp.asarray(a) for a in (
             rng.standard_normal((1, m, 9, 64), dtype=np.float32),

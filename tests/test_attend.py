@@ -235,9 +235,9 @@ def test_a_long_view_read_in_chunks_gives_what_it_gives_whole(monkeypatch):
 @pytest.mark.parametrize("name", ["numpy", "torch", "jax"])
 def test_pools_are_head_major_where_the_librarys_path_prefers_it(name):
     """``empty_pools`` lays each head's slots one after another where the library's attention
-    path prefers it (torch on the CPU); NumPy (whose ``take`` would copy such a pool whole)
-    gets the row-major order, as ``layout="token"`` does anywhere; JAX keeps no strides and
-    lays out its own. ``layout="head"`` asks for head-major where strides exist."""
+    path prefers it (NumPy, torch on the CPU); ``layout="token"`` gives the row-major order
+    anywhere; JAX keeps no strides and lays out its own. ``layout="head"`` asks for head-major
+    where strides exist."""
     from cacheidx.attention import layout
     from cacheidx.models import llama
 
@@ -247,7 +247,7 @@ def test_pools_are_head_major_where_the_librarys_path_prefers_it(name):
     config = llama.Config(vocab=8, dim=12, layers=1, heads=3, kv_heads=3, hidden=8, head_dim=4)
     (k, v), = llama.empty_pools(config, 10, xp=name)
     assert tuple(k.shape) == (10, 3, 4) and np.all(np.asarray(v) == 0)
-    assert layout.head_major(k) == (name == "torch")
+    assert layout.head_major(k) == (name != "jax")
     (k, _), = llama.empty_pools(config, 10, xp=name, layout="token")
     assert not layout.head_major(k)
     (k, _), = llama.empty_pools(config, 10, xp=name, layout="head")

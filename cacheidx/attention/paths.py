@@ -23,6 +23,7 @@ GROUP = "cacheidx.attention"
 
 _BUILTIN = {
     "jax": "cacheidx.attention.jax:JaxPath",
+    "numpy": "cacheidx.attention.numpy:NumpyPath",
     "torch": "cacheidx.attention.torch:TorchPath",
 }
 

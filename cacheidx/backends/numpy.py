@@ -19,7 +19,7 @@ class NumpyBackend(Backend):
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
         keep = inside(slots, pool.shape[0])
-        out = pool if donate else pool.copy()
+        out = pool if donate else pool.copy(order="K")  # in its memory order
         out[slots[keep]] = rows[keep]
         return out
 
@@ -28,7 +28,7 @@ class NumpyBackend(Backend):
 
         if pool.shape[0] == 0:
             return np.zeros((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype)
-        got = pool.take(np.where(ok, slots, 0), axis=0)
+        got = _take(pool, np.where(ok, slots, 0))
         if not ok.all():
             got[~ok] = 0
         return got
@@ -45,7 +45,7 @@ class NumpyBackend(Backend):
 
     def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
         target, take = plan
-        out = pool if donate else pool.copy()
+        out = pool if donate else pool.copy(order="K")  # in its memory order
         out[target] = rows if take is None else rows[take]
         return out
 
@@ -62,10 +62,20 @@ class NumpyBackend(Backend):
         safe, unseen = plan
         if pool.shape[0] == 0:
             return np.zeros((safe.shape[0], *pool.shape[1:]), dtype=pool.dtype)
-        got = pool.take(safe, axis=0)
+        got = _take(pool, safe)
         if unseen is not None:
             got[unseen] = 0
         return got
 
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after is before
+
+
+def _take(pool: Any, slots: Any) -> Any:
+    """``pool[slots]``. A head-major pool (``cacheidx.attention.layout``) is taken a head's
+    rows at a time from its ``[kv, slots, d]`` base: ``take`` would first copy a pool that is
+    not row-major whole (4,096 rows of a 200k-slot pool: 68 ms, against 0.1 ms)."""
+    heads = pool.transpose(1, 0, 2) if pool.ndim == 3 else None
+    if heads is not None and not pool.flags.c_contiguous and heads.flags.c_contiguous:
+        return heads.take(slots, axis=1).transpose(1, 0, 2)
+    return pool.take(slots, axis=0)

@@ -210,7 +210,7 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
     The namespace, dtype and device are those of the array ``like`` (a weight, say) unless given.
     ``layout`` is the pools' memory order (:mod:`cacheidx.attention.layout`: ``"head"``,
     ``"token"``, or ``None`` for the order the library's attention path prefers: head-major
-    for torch on the CPU).
+    for NumPy, and for torch on the CPU).
     """
     if like is not None:
         xp = array_namespace(like) if xp is None else _namespace(xp)
