@@ -717,32 +717,35 @@ def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients()
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("seq", [1, 40])
+@pytest.mark.parametrize("seq", [1, 600])
 @pytest.mark.parametrize("inference", [False, True])
 def test_head_major_products_give_the_standards_output(seq, inference):
     """Over head-major pools torch's own products (keys first for a decode's few queries,
-    oneDNN's linear for the values under inference mode) give the standard products' output
-    to float32's rounding, a decode's and a prefill block's."""
+    oneDNN's linear for the values under inference mode, each from ``SHORT`` columns) give the
+    standard products' output to float32's rounding, a decode's and a prefill's; a store that
+    is not donated keeps the pool's memory order (else the products would never see it)."""
     from cacheidx.attention import layout
     from cacheidx.attention import torch as path
 
-    rng = np.random.default_rng(seq)
-    index = ci.rows(64, [20, 50], xp="torch").advance() if seq == 1 else ci.rows(
-        64, [seq, seq - 7], xp="torch")
-    q, k, v = (torch.from_numpy(rng.standard_normal((2, seq, h, 8), dtype=np.float32))
-               for h in (6, 2, 2))
+    slots = 2 * 1100
+    assert seq == 1 or seq > path.SHORT  # lanes long enough for the products to take over
+    index = ci.rows(1100, [700, 1000], xp="torch").advance() if seq == 1 else ci.rows(
+        1100, [seq, seq - 7], xp="torch")
     outs = []
     for lay in ("head", "token"):  # token-major: no products of torch's own
-        pools = [layout.zeros(torch_xp(), 128, 2, 8, dtype=torch.float32, layout=lay)
+        rng = np.random.default_rng(seq)  # the same values for both
+        q, k, v = (torch.from_numpy(rng.standard_normal((2, seq, h, 8), dtype=np.float32))
+                   for h in (6, 2, 2))
+        pools = [layout.zeros(torch_xp(), slots, 2, 8, dtype=torch.float32, layout=lay)
                  for _ in "kv"]
         for p in pools:
-            p.copy_(torch.from_numpy(rng.standard_normal((128, 2, 8), dtype=np.float32)))
+            p.copy_(torch.from_numpy(rng.standard_normal((slots, 2, 8), dtype=np.float32)))
         ctx = torch.inference_mode() if inference else torch.no_grad()
         with ctx:
             assert (path.TorchPath().products(ci.backends.get("torch"), *pools) is None) == (
                 lay == "token")
-            outs.append(index.attend(q, k, v, *[p.clone() for p in pools])[0])
-        rng = np.random.default_rng(seq)  # the same values again
-        q, k, v = (torch.from_numpy(rng.standard_normal((2, seq, h, 8), dtype=np.float32))
-                   for h in (6, 2, 2))
+            out, kpool, _ = index.attend(q, k, v, *[p.clone() for p in pools])
+        outs.append(out)
+        # not donated, the new pool keeps the memory order of the old
+        assert layout.head_major(kpool) == (lay == "head")
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

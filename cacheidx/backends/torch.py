@@ -129,7 +129,9 @@ class TorchBackend(Backend):
         if plan.how == "host":
             if plan.take is not None:
                 rows = rows.index_select(0, plan.take)
-            return (pool.index_copy_ if donate else pool.index_copy)(0, plan.target, rows)
+            # not donated, a clone keeps the pool's memory order (index_copy's result would
+            # be row-major whatever the pool's: cacheidx.attention.layout)
+            return (pool if donate else pool.clone()).index_copy_(0, plan.target, rows)
         out = pool if donate else pool.clone()
         torch.ops.cacheidx.store_rows_(out, plan.target, rows)
         return out
