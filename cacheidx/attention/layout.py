@@ -36,12 +36,10 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
         raise ValueError(f"cacheidx.attention.layout.zeros: layout must be one of {LAYOUTS} "
                          f"or None, got {layout!r}")
     where = {} if device is None else {"device": device}
-    token = xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
-    if layout is None:
-        layout = _preferred(token)
+    if layout is None:  # asked of an empty pool on the same device, of the same dtype
+        layout = _preferred(xp.zeros((0, int(kv), int(dim)), dtype=dtype, **where))
     if layout == "token":
-        return token
-    del token
+        return xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
     return xp.permute_dims(xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where),
                            (1, 0, 2))
 

@@ -146,19 +146,22 @@ def read(call: Any, scores: int) -> Any | None:
         return None
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
     grouped = group(xp, q, "lane", kv, call.scale)  # [batch, kv, g, seq, d], once for all
+    # a head-major pool's heads are each a contiguous block: a product streams one whole
+    interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
+    products = paths.products(index.backend, kpool, vpool)
     out = xp.concat([_lane(call, lambda b=b: _one_lane(index, b), blocks,
-                           grouped[b:b + 1, ...], dv)
+                           grouped[b:b + 1, ...], dv, interleaved, products)
                      for b, blocks in enumerate(lanes)], axis=0)
     return ungroup(xp, out, "lane", q.dtype)
 
 
-def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
+def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleaved: bool,
+          products: Any) -> Any:
     """One lane's output in the lane layout: each block of its queries over its pieces.
-    ``own()`` is the lane's own index, made only when a piece needs a mask."""
+    ``own()`` is the lane's own index, made only when a piece needs a mask; a long piece of
+    ``interleaved`` pools (token-major) is read in chunks; ``products`` are the library's own
+    (:func:`~.paths.products`), or None."""
     xp, kpool, vpool = call.index.xp, call.kpool, call.vpool
-    # a head-major pool's heads are each a contiguous block: a product streams one whole
-    interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
-    own_products = paths.products(call.index.backend, kpool, vpool)
 
     def view(pool: Any, s0: int, width: int) -> Any:
         return pool[s0:s0 + width, ...][None, ...]
@@ -166,7 +169,7 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int) -> Any:
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
-                       products=own_products)
+                       products=products)
         row = int(kpool.shape[1]) * int(kpool.shape[2]) * _bytes(xp, kpool.dtype)
         if interleaved and max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
             state.chunk = max(64, CHUNK // row)

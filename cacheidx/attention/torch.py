@@ -52,7 +52,6 @@ class TorchPath:
                                         call.softcap, call.tile)
         return out, kpool, vpool
 
-
     def layout(self, pool: Tensor) -> str:
         """Head-major on the CPU, where views and :class:`HeadMajor` pay; token-major on a
         GPU, whose row kernels want contiguous pools."""
