@@ -6,7 +6,7 @@ the positions of its sequence. A model passes the index it was given to every la
 calls ``extend`` on each of its pools and attends under ``mask`` (or ``visible``).
 """
 
-from . import backends
+from . import attention, backends  # noqa: F401  (attention registers CacheIndex.attend)
 from .backends import use
 from .build import make, packed, rows, whole
 from .index import CacheIndex, Structure

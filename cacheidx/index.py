@@ -9,13 +9,26 @@ once on them, near the top; the laws themselves live in :mod:`cacheidx.laws`.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import _check as check
-from . import attention, backends
+from . import backends
 from .laws import block_of, closes, inside, sees, stands
+from .plan import Plan
 
-__all__ = ["CacheIndex", "Structure"]
+__all__ = ["CacheIndex", "Structure", "attends_with"]
+
+#: the implementation of :meth:`CacheIndex.attend`, set by the attention layer above
+_ATTENTION: list[Callable[..., Any]] = []
+
+
+def attends_with(fn: Callable[..., Any]) -> None:
+    """Make ``fn(index, q, k, v, kpool, vpool, **options)`` what :meth:`CacheIndex.attend`
+    calls: :mod:`cacheidx.attention` registers itself so when imported (``import cacheidx``
+    does), as the index must not import the layer above it."""
+    _ATTENTION[:] = [fn]
 
 
 class Structure(NamedTuple):
@@ -52,10 +65,16 @@ class CacheIndex:
     draft_sees: Any = None
     #: the adapter of the tensors' library; static, so a compiler never looks it up
     backend: backends.Backend = dataclasses.field(default=None, repr=False)
+    #: what the host derives from the index's values for every layer (:mod:`cacheidx.plan`);
+    #: every derived index starts a plan of its own (``dataclasses.replace`` never copies it),
+    #: and a traced one has none (its parts are computed inside the program)
+    plan: Plan | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend is None:
             object.__setattr__(self, "backend", backends.get(self.pos))
+        if not self.backend.tracing(self.pos):
+            object.__setattr__(self, "plan", Plan())
 
     # -- what the index is ------------------------------------------------------------------
     @property
@@ -75,7 +94,7 @@ class CacheIndex:
         """The number of columns a token's mask runs over without a selection."""
         if self.kind != "tabled":
             return -(-self.seq // self.block)
-        width = int(self._columns_table.shape[1])
+        width = int(self.columns_table.shape[1])
         return width + self.seq if self.draft_slots is not None else width
 
     @property
@@ -95,12 +114,35 @@ class CacheIndex:
         )
 
     def tensors(self) -> list[Any]:
-        """The index's tensors, in the spec's walk order."""
+        """The index's tensors, in the spec's walk order: row, positions, table, tables of
+        blocks, selection, draft slots, draft sees (each where present)."""
         return _flatten(self)[0]
 
+    @classmethod
+    def rebuild(cls, structure: Structure, tensors: Any, *, backend: Any = None,
+                plan: Plan | None = None) -> CacheIndex:
+        """The index of ``structure`` over ``tensors`` (in :meth:`tensors`' order):
+        ``CacheIndex.rebuild(ix.structure, ix.tensors())`` is ``ix`` again. ``backend``: the
+        tensors' library's adapter, found from them when ``None``. ``plan``: a :class:`Plan`
+        the index keeps (shared with the index it came from; it follows the values, so a plan
+        of other values is only ever remade, never misread)."""
+        index = _unflatten((structure, backend), tensors)
+        if plan is not None:
+            object.__setattr__(index, "plan", plan)
+        return index
+
+    def map(self, fn: Any) -> CacheIndex:
+        """The index whose every tensor is ``fn`` of this one's (placed elsewhere, copied to
+        another library: the backend is the results' library's)."""
+        return CacheIndex.rebuild(self.structure, [fn(t) for t in self.tensors()])
+
     def __getstate__(self) -> dict:
-        # the plans kept for the next layer belong to this process's arrays: never pickled
-        return {k: v for k, v in self.__dict__.items() if k != "_memo_"}
+        # the plan belongs to this process's arrays: never pickled
+        return {k: v for k, v in self.__dict__.items() if k != "plan"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__["plan"] = None if self.backend.tracing(self.pos) else Plan()
 
     def __repr__(self) -> str:
         s = self.structure
@@ -194,16 +236,18 @@ class CacheIndex:
             raise check.fail("advance", f"a {self.kind} index has no next token")
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
-        nxt = xp.clip(last, -1, None) + 1
-        return dataclasses.replace(self, pos=nxt, columns=None, draft_slots=None,
-                                   draft_sees=None)
+        nxt = dataclasses.replace(self, pos=xp.clip(last, -1, None) + 1, columns=None,
+                                  draft_slots=None, draft_sees=None)
+        if not self.backend.tracing(self.pos):  # the parts that follow from this plan's
+            object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
+        return nxt
 
     def to_device(self, device: Any) -> CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
         move = self.backend.to_device
-        leaves, static = _flatten(self)
-        return _unflatten(static, [move(x, device) for x in leaves])
+        return CacheIndex.rebuild(self.structure, [move(x, device) for x in self.tensors()],
+                                  backend=self.backend)
 
     # -- the call's tokens ------------------------------------------------------------------
     def positions(self) -> Any:
@@ -213,7 +257,7 @@ class CacheIndex:
         return _clamp(self.xp, self.pos, 0, last - 1)
 
     @property
-    def _valid(self) -> Any:
+    def valid(self) -> Any:
         """Law: a token is padding when its position is negative or its lane's row addresses
         no sequence of the table; padding stores nothing and sees nothing."""
         ok = self.pos >= 0
@@ -222,14 +266,14 @@ class CacheIndex:
         return ok
 
     @property
-    def _t(self) -> Any:
+    def valid_positions(self) -> Any:
         """Positions with padding at -1, for reductions over a lane."""
-        return self.xp.where(self._valid, self.pos, self.xp.asarray(-1, dtype=self.pos.dtype))
+        return self.xp.where(self.valid, self.pos, self.xp.asarray(-1, dtype=self.pos.dtype))
 
     @property
     def _last(self) -> Any:
         """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
-        return self.xp.max(self._t, axis=1, keepdims=True)
+        return self.xp.max(self.valid_positions, axis=1, keepdims=True)
 
     @property
     def _window(self) -> int | None:
@@ -246,23 +290,23 @@ class CacheIndex:
     def _least(self) -> Any:
         """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets
         the dtype's largest value, which no column stands before."""
-        return self.xp.min(self.xp.where(self._valid, self.pos, self._largest), axis=1,
+        return self.xp.min(self.xp.where(self.valid, self.pos, self._largest), axis=1,
                            keepdims=True)
 
-    def _arange(self, n: int) -> Any:
+    def arange(self, n: int) -> Any:
         return self.xp.arange(n, dtype=self.pos.dtype, device=self.device)
 
     # -- tables -----------------------------------------------------------------------------
     @property
-    def _columns_table(self) -> Any:
+    def columns_table(self) -> Any:
         """The table whose columns the index reads: positions', or blocks' under ``every``."""
         return self.table if self.block == 1 else dict(self.blocks)[self.block]
 
     @property
-    def _lane_table(self) -> Any:
+    def lane_table(self) -> Any:
         """[batch, width]: each lane's row of the table it reads; a lane of padding reads the
         table's row 0, which its invalid tokens never use."""
-        table = self._columns_table
+        table = self.columns_table
         if self.row is None:
             return table
         xp = self.xp
@@ -270,11 +314,11 @@ class CacheIndex:
         safe = xp.where(inside(self.row, rows), self.row, xp.zeros_like(self.row))
         return xp.take(table, safe, axis=0)
 
-    def _lane_lookup(self, table: Any, cols: Any, ok: Any) -> Any:
+    def lane_lookup(self, table: Any, cols: Any, ok: Any) -> Any:
         """``table[b, cols[b, ...]]`` where ``ok``, -1 elsewhere (lane-wise gather, flat)."""
         xp = self.xp
         width = int(table.shape[1])
-        lane = xp.reshape(self._arange(self.batch), (self.batch,) + (1,) * (cols.ndim - 1))
+        lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (cols.ndim - 1))
         flat = lane * width + xp.where(ok, cols, xp.zeros_like(cols))
         got = xp.reshape(xp.take(xp.reshape(table, (-1,)), xp.reshape(flat, (-1,))), cols.shape)
         return xp.where(ok, got, xp.asarray(-1, dtype=got.dtype))
@@ -285,24 +329,24 @@ class CacheIndex:
         ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
         its position, under a window only the last ``w`` of them; a padded token sees none."""
         if self.draft_slots is not None:
-            j = self._arange(int(self.table.shape[1]))[None, None, :]
-            return self.xp.concat([self._draft_sees_table(j), self._draft_tail()], axis=2)
+            j = self.arange(int(self.table.shape[1]))[None, None, :]
+            return self.xp.concat([self.draft_sees_table(j), self.draft_tail()], axis=2)
         if self.columns is not None:
-            return self._sees_columns(self.columns)
-        cols = self._arange(self.context)[None, None, :]
-        return self._sees_columns(cols)
+            return self.sees_columns(self.columns)
+        cols = self.arange(self.context)[None, None, :]
+        return self.sees_columns(cols)
 
     def visible(self) -> Any:
         """``mask`` broadcastable to attention's ``[batch, heads, seq, context]``."""
         return self.mask()[:, None, ...]
 
-    def _sees_columns(self, cols: Any) -> Any:
+    def sees_columns(self, cols: Any) -> Any:
         """[batch, seq, k]: whether token ``i`` of lane ``b`` sees column ``cols[b, i, k]``
         (``cols`` broadcasts against ``[batch, seq, k]``). A column outside the context is
         seen by no one."""
         xp = self.xp
         t = self.pos[:, :, None]
-        ok = self._valid[:, :, None] & inside(cols, self.context)
+        ok = self.valid[:, :, None] & inside(cols, self.context)
         if self.kind == "tabled" or self.block != 1:
             ok = ok & sees(stands(cols, self.block), t, self._window)
             if self.kind != "tabled":  # a whole lane closes the blocks up to its last token
@@ -310,22 +354,22 @@ class CacheIndex:
             return ok
         # whole and packed: column j is token j of the lane, seen from the same sequence
         cols = xp.broadcast_to(cols, ok.shape)
-        p = self._lane_lookup(self.pos, cols, ok)
-        i = self._arange(self.seq)[None, :, None]
+        p = self.lane_lookup(self.pos, cols, ok)
+        i = self.arange(self.seq)[None, :, None]
         same = (cols - p) == (i - t)
         return ok & (p >= 0) & same & sees(p, t, self._window)
 
-    def _draft_sees_table(self, j: Any) -> Any:
+    def draft_sees_table(self, j: Any) -> Any:
         """[batch, seq, k]: under a draft, whether a token sees the table's column ``j``
         (broadcasting against ``[batch, seq, k]``): one before its lane's least position, at or
         before its own and within the window."""
-        valid, t, w = self._valid, self.pos, self._window
+        valid, t, w = self.valid, self.pos, self._window
         return valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
 
-    def _draft_tail(self) -> Any:
+    def draft_tail(self) -> Any:
         """[batch, seq, seq]: token ``i`` sees the call's token ``j`` where the draft says so,
         at or before its position and within the window."""
-        valid, t = self._valid, self.pos
+        valid, t = self.valid, self.pos
         return (valid[:, :, None] & valid[:, None, :] & self.draft_sees
                 & sees(t[:, None, :], t[:, :, None], self._window))
 
@@ -339,10 +383,11 @@ class CacheIndex:
         With ``donate`` the caller gives ``pool`` up and the backend writes into its memory
         where it can; without it the caller's pool is never changed. Raises if ``values`` does
         not have the shape ``[batch, seq, *pool.shape[1:]]``."""
-        self._check_extend(values, pool)
+        self.validate(values, pool)
         if self.kind != "tabled":
-            return self._seen_whole(values), pool
-        pool = self._store(values, pool, donate)
+            return self.seen_whole(values), pool
+        self.follow()
+        pool = self.store(values, pool, donate)
         return self._read(pool, values), pool
 
     def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
@@ -354,10 +399,10 @@ class CacheIndex:
         the pools where they are, ``tile`` columns at a time (``None``: chosen from the
         call's shape), never a lane's whole context at once. See :mod:`cacheidx.attention`
         for the law, ``scale``, ``softcap`` and ``sinks``, and what it raises."""
-        return attention.attend(self, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
-                                sinks=sinks, donate=donate, tile=tile)
+        return _ATTENTION[0](self, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
+                             sinks=sinks, donate=donate, tile=tile)
 
-    def _check_extend(self, values: Any, pool: Any, fn: str = "extend",
+    def validate(self, values: Any, pool: Any, fn: str = "extend",
                       name: str = "values") -> None:
         for what, x in ((name, values), ("pool", pool)):
             if not self.backend.same_library(x):
@@ -373,11 +418,30 @@ class CacheIndex:
             raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "
                             f"{pool.dtype}")
 
-    def _store(self, values: Any, pool: Any, donate: bool) -> Any:
+    def follow(self) -> Plan:
+        """:attr:`plan`, its parts dropped first where the index's tensors no longer hold the
+        values they were made from (:meth:`Plan.follow <cacheidx.plan.Plan.follow>`). Every
+        eager call asks it once, before any layer reads a part; traced, it does nothing."""
+        if not self.backend.tracing(self.pos):
+            self.plan.follow(self.tensors())
+        return self.plan
+
+    def planned(self, kind: str, key: tuple, make: Any) -> Any:
+        """The part ``kind`` of :attr:`plan` for ``key`` (:meth:`Plan.part
+        <cacheidx.plan.Plan.part>`), kept for every later layer; traced, ``make()`` itself,
+        computed inside the program (so is a part whose values are traced: an index a compiled
+        step closes over)."""
+        backend = self.backend
+        if backend.tracing(self.pos):
+            return make()
+        return self.plan.part(kind, key, make,
+                              keep=lambda v: not any(backend.tracing(a) for a in _arrays(v)))
+
+    def store(self, values: Any, pool: Any, donate: bool) -> Any:
         """``pool`` with ``values`` stored where the call's tokens sit (one scatter with drop,
-        through the plan the index keeps for every layer's pool of this size)."""
+        through the plan's store for every layer's pool of this size)."""
         backend, xp, n = self.backend, self.xp, int(pool.shape[0])
-        plan = self._memo(("store", n), lambda: backend.store_plan(
+        plan = self.planned("store", (n,), lambda: backend.store_plan(
             xp.reshape(self._store_slots(), (-1,)), n))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
         return backend.store(pool, plan, rows, donate=donate)
@@ -388,64 +452,49 @@ class CacheIndex:
         draft names; padding and a token past the last column store nothing (-1)."""
         xp = self.xp
         if self.draft_slots is not None:
-            return xp.where(self._valid, self.draft_slots,
+            return xp.where(self.valid, self.draft_slots,
                             xp.asarray(-1, dtype=self.draft_slots.dtype))
-        m, table = self.block, self._lane_table
+        m, table = self.block, self.lane_table
         col = block_of(self.pos, m)
-        ok = self._valid & (col < int(table.shape[1]))
+        ok = self.valid & (col < int(table.shape[1]))
         if m != 1:
             ok = ok & closes(self.pos, m)
-        return self._lane_lookup(table, col, ok)
+        return self.lane_lookup(table, col, ok)
 
     def _read(self, pool: Any, values: Any) -> Any:
         """Columns of the table read from ``pool``, zero where no token of the lane sees them
         or the slot addresses nothing."""
         xp, n = self.xp, int(pool.shape[0])
-        shape, plan = self._memo(("read", n), lambda: self._read_plan(n))
+        shape, plan = self.planned("read", (n,), lambda: self._read_plan(n))
         got = self.backend.read(pool, plan)
         seen = xp.reshape(got, (*shape, *pool.shape[1:]))
         if self.draft_slots is None:
             return seen
-        seen_by_some = xp.any(self._draft_tail(), axis=1)
-        return xp.concat([seen, self._zero_where(values, seen_by_some)], axis=1)
+        seen_by_some = xp.any(self.draft_tail(), axis=1)
+        return xp.concat([seen, self.zero_where(values, seen_by_some)], axis=1)
 
     def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any]:
         """The shape of a read of a pool of ``n`` slots, and the backend's plan of it (from the
         slots it takes, flat, and where it is not zero)."""
         xp = self.xp
         if self.columns is not None:
-            ok = self._sees_columns(self.columns)
-            slots = self._lane_lookup(self._lane_table, self.columns, ok)
+            ok = self.sees_columns(self.columns)
+            slots = self.lane_lookup(self.lane_table, self.columns, ok)
         else:
-            slots, ok = self._lane_table, self._some_token_sees()
+            slots, ok = self.lane_table, self.seen_by_some()
         ok = ok & inside(slots, n)
         return tuple(slots.shape), self.backend.read_plan(xp.reshape(slots, (-1,)),
                                                           xp.reshape(ok, (-1,)), n)
 
-    def _memo(self, key: Any, make: Any) -> Any:
-        """``make()``, kept on the index for the next pool of the next layer: every layer's
-        extend stores at and reads the same slots. Only eagerly: a traced step computes it
-        inside the program, where the compiler shares it."""
-        if self.backend.tracing(self.pos):
-            return make()
-        memo = self.__dict__.setdefault("_memo_", {})
-        if key in memo:
-            return memo[key]
-        value = make()
-        # an index closed over by a traced step computes traced values: never keep those
-        if not any(self.backend.tracing(p) for p in _arrays(value)):
-            memo[key] = value
-        return value
-
-    def _some_token_sees(self) -> Any:
+    def seen_by_some(self) -> Any:
         """[batch, width]: whether some token of each lane sees each column of the table (the
         zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
         xp, w = self.xp, self._window
-        width = int(self._columns_table.shape[1])
-        j = self._arange(width)[None, :]
+        width = int(self.columns_table.shape[1])
+        j = self.arange(width)[None, :]
         if self.draft_slots is not None:  # columns before the least position, within reach
             least = self._least
-            ok = (j < least) & xp.any(self._valid, axis=1, keepdims=True)
+            ok = (j < least) & xp.any(self.valid, axis=1, keepdims=True)
             return ok if w is None else ok & (least - j < w)
         stand = stands(j, self.block)
         if w is None:
@@ -461,40 +510,40 @@ class CacheIndex:
         xp = self.xp
         top = stands(stand.shape[1] - 1, self.block)
         big = self._largest
-        valid, t = self._valid, self.pos
+        valid, t = self.valid, self.pos
         past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
         near = (past < big) & (past - stand < w)
         t = xp.where(valid & (t <= top), t, top + 1)
-        lane = self._arange(self.batch)[:, None] * (top + 2)
+        lane = self.arange(self.batch)[:, None] * (top + 2)
         keys = xp.sort(xp.reshape(t + lane, (-1,)))
         wanted = stand + lane
         at = _clamp(xp, xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
         found = xp.reshape(xp.take(keys, at), wanted.shape) - lane
         return near | ((found >= stand) & (found <= top) & (found - stand < w))
 
-    def _zero_where(self, values: Any, ok: Any) -> Any:
+    def zero_where(self, values: Any, ok: Any) -> Any:
         """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""
         xp = self.xp
         gate = xp.reshape(ok, (*ok.shape, *(1,) * (values.ndim - 2)))
         return xp.where(gate, values, xp.zeros((), dtype=values.dtype))
 
-    def _seen_whole(self, values: Any) -> Any:
+    def seen_whole(self, values: Any) -> Any:
         """On a whole index the columns are the lane's tokens (or the tokens closing its
         blocks), read from ``values``; a column no token of the lane sees is zero."""
         xp = self.xp
         if self.columns is None and self.block == 1:
-            return self._zero_where(values, self._valid)
+            return self.zero_where(values, self.valid)
         if self.columns is not None:
-            ok = self._sees_columns(self.columns)
+            ok = self.sees_columns(self.columns)
             cols = self.columns
         else:
-            cols = self._arange(self.context)[None, :]
+            cols = self.arange(self.context)[None, :]
             ok = stands(cols, self.block) <= self._last
         # the token holding a column: itself, or the one closing its block (left padding first)
         src = cols if self.block == 1 else (self.seq - 1 - self._last_of(cols)) + stands(
             cols, self.block)
         src = xp.broadcast_to(src, ok.shape)
-        lane = xp.reshape(self._arange(self.batch), (self.batch,) + (1,) * (ok.ndim - 1))
+        lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (ok.ndim - 1))
         flat = xp.reshape(lane * self.seq + xp.where(ok, src, xp.zeros_like(src)), (-1,))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
         got = self.backend.gather(rows, flat, xp.reshape(ok, (-1,)))
@@ -534,7 +583,7 @@ def _flatten(index: CacheIndex) -> tuple[list[Any], tuple[Structure, backends.Ba
     return leaves, (index.structure, index.backend)
 
 
-def _unflatten(static: tuple[Structure, backends.Backend], leaves: Any) -> CacheIndex:
+def _unflatten(static: tuple[Structure, Any], leaves: Any) -> CacheIndex:
     structure, backend = static
     it = iter(leaves)
     row = next(it) if structure.row else None
@@ -560,3 +609,20 @@ def _leaf_names(structure: Structure) -> list[str]:
     if structure.draft:
         names += ["draft.slots", "draft.sees"]
     return names
+
+
+def _dump(static: tuple[Structure, Any]) -> str:
+    structure, backend = static
+    return json.dumps({"structure": structure._asdict(), "backend": backend.name})
+
+
+def _load(text: str) -> tuple[Structure, Any]:
+    d = json.loads(text)
+    s = d["structure"]
+    return Structure(**{**s, "blocks": tuple(s["blocks"])}), backends.get(d["backend"])
+
+
+#: the index as a pytree node, for every library with a pytree registry
+NODE = backends.Node(CacheIndex, _flatten, _unflatten, lambda static: _leaf_names(static[0]),
+                     _dump, _load, safe=(Structure,))
+backends.when_made(lambda backend: backend.register(NODE))

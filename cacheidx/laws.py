@@ -9,9 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends.base import inside
+__all__ = ["stands", "sees", "inside", "closes", "block_of", "expand"]
 
-__all__ = ["stands", "sees", "inside", "closes", "block_of"]
+
+def inside(i: Any, n: int) -> Any:
+    """Law: ``i`` addresses one of ``n`` rows when ``0 <= i < n``; anything else addresses
+    nothing (``-1``, ``n`` and beyond, any other negative)."""
+    return (i >= 0) & (i < n)
+
+
+def expand(xp: Any, gate: Any, ndim: int) -> Any:
+    """``gate`` [N] broadcast against rows [N, ...] of ``ndim`` axes: a row's gate is its
+    every element's."""
+    return xp.reshape(gate, (gate.shape[0],) + (1,) * (ndim - 1))
 
 
 def stands(column: Any, m: int) -> Any:

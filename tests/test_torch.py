@@ -263,7 +263,7 @@ def test_seen_is_differentiable_through_a_whole_index():
     values = torch.arange(8.0).reshape(2, 4, 1).requires_grad_()
     seen, _ = index.extend(values, torch.zeros(1, 1))
     seen.sum().backward()
-    same(values.grad, index._valid[..., None].to(values.dtype))
+    same(values.grad, index.valid[..., None].to(values.dtype))
 
 
 # -- pytrees, torch.compile and torch.export ----------------------------------------------------
@@ -694,13 +694,11 @@ def test_compiled_attend_is_the_eager_call_in_one_operator(window):
     got = fn(index, q, k, v, kpool, vpool, True)
     assert got[1].data_ptr() == kpool.data_ptr()
     same(kpool, want[1])
-    from cacheidx.attention import torch as path
-    from cacheidx.index import _flatten
+    from cacheidx.attention.torch import operands
 
-    leaves, (structure, _) = _flatten(index)
     torch.library.opcheck(torch.ops.cacheidx.attend,
-                          (path._encode(structure), leaves, q, k, v, kpool.clone(),
-                           vpool.clone(), None, 0.5, 3.0, None))
+                          (*operands(index), q, k, v, kpool.clone(), vpool.clone(), None, 0.5,
+                           3.0, None))
 
 
 def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients():

@@ -19,7 +19,7 @@ import dataclasses
 from functools import cache
 from typing import Any
 
-from ..backends.base import inside
+from ..laws import inside
 from .softmax import Online
 
 __all__ = ["JaxPath"]
@@ -46,7 +46,7 @@ def _looped(call: Any) -> Any:
 
     index = call.index
     xp, kpool, vpool = index.xp, call.kpool, call.vpool
-    table, some = index._lane_table, index._some_token_sees()
+    table, some = index.lane_table, index.seen_by_some()
     width = int(table.shape[1])
     size = min(call.columns, width)
     draft = index.draft_slots is not None
@@ -61,13 +61,13 @@ def _looped(call: Any) -> Any:
         return xp.reshape(got, (*slots.shape, *pool.shape[1:]))
 
     def body(i: Any, carry: tuple) -> tuple:
-        j = i * size + index._arange(size)  # this tile's columns; past the width: none
+        j = i * size + index.arange(size)  # this tile's columns; past the width: none
         there = j < width
         at = xp.where(there, j, 0)
         slots = xp.take(table, at, axis=1)
         ok = xp.take(some, at, axis=1) & there[None, :]
         cols = j[None, None, :]
-        mask = index._draft_sees_table(cols) & there if draft else index._sees_columns(cols)
+        mask = index.draft_sees_table(cols) & there if draft else index.sees_columns(cols)
         s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
         s.add(read(kpool, slots, ok), read(vpool, slots, ok), mask)
         return s.m, s.l, s.acc
@@ -77,9 +77,9 @@ def _looped(call: Any) -> Any:
     first = body(0, (state.m, state.l, state.acc))
     state.m, state.l, state.acc = lax.fori_loop(1, -(-width // size), body, first)
     if draft:
-        from .tiles import _draft
+        from .tiles import draft
 
-        state.add(*_draft(index, call.k, call.v))
+        state.add(*draft(index, call.k, call.v))
     return state.result(call.sinks)
 
 

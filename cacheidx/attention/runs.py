@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import backends
-from ..backends.base import inside
+from .. import plan as plans
 from ..devices import to_host as host
+from ..laws import inside
 from . import layout, paths
 from .softmax import Online, group, ungroup
 
@@ -71,7 +71,7 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
     seen columns are not a few runs of slots inside the pool. Worked out on the host, on a
     NumPy copy of the index: the laws' own helpers, with no device round trip per piece."""
     on_host = _host_index(index)
-    table, some = on_host._lane_table, on_host._some_token_sees()
+    table, some = on_host.lane_table, on_host.seen_by_some()
     width = int(table.shape[1])
     # a short call's whole mask at once (a decode step's is [batch, 1, width]); a long one's
     # per piece, so that the host never holds [batch, seq, width]
@@ -101,7 +101,7 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
                         seen = whole[b, i0:i1, c0:c1]
                     else:
                         part = dataclasses.replace(one, pos=one.pos[:, i0:i1])
-                        seen = part._sees_columns(np.arange(c0, c1)[None, None, :])
+                        seen = part.sees_columns(np.arange(c0, c1)[None, None, :])
                     if seen.any():
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
             blocks.append((i0, i1, pieces))
@@ -109,12 +109,45 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
     return lanes
 
 
+def carry(index: Any, nxt: Any, key: tuple, lanes: Any) -> list[_Blocks] | None:
+    """The runs of ``nxt = index.advance()`` from ``index``'s, where they follow: a decode step
+    after a decode step (one token a lane, no window, positions not blocks), each lane's one
+    new column continuing its last run (its slot the next one) or a lane's first. The new
+    column is seen by the lane's only token, as every column before it is: every piece is
+    read whole. ``None`` (the runs found anew) wherever that is not so."""
+    n, scores, heads, tile = key
+    if (not lanes or index.seq != 1 or nxt.seq != 1 or index.block != 1
+            or index.window_size is not None):
+        return None
+    on_host = _host_index(nxt)
+    table, pos = on_host.lane_table, on_host.pos[:, 0]
+    width, size = int(table.shape[1]), tile or max(16, scores // heads)
+    out = []
+    for b, blocks in enumerate(lanes):
+        (i0, i1, pieces), = blocks
+        c = int(pos[b])
+        if not 0 <= c < width or not inside(table[b, c], n):
+            return None
+        s = int(table[b, c])
+        last = pieces[-1] if pieces else None
+        if last is None and c == 0:
+            pieces = [_Piece(0, 1, s, True)]
+        elif last is not None and last.c1 == c and last.s0 + (c - last.c0) == s:
+            grown = last.c1 - last.c0 < size
+            pieces = pieces[:-1] + [last._replace(c1=c + 1)] if grown else [
+                *pieces, _Piece(c, c + 1, s, True)]
+        else:
+            return None  # a new run: found anew, with the runs' bound
+        out.append([(i0, i1, pieces)])
+    return out
+
+
+plans.CARRY["runs"] = carry
+
+
 def _host_index(index: Any) -> Any:
     """``index`` with its tensors copied to NumPy."""
-    from ..index import _flatten, _unflatten  # the index imports this package
-
-    leaves, (structure, _) = _flatten(index)
-    return _unflatten((structure, backends.get("numpy")), [host(t) for t in leaves])
+    return index.map(host)
 
 
 def _one_lane(index: Any, b: int) -> Any:
@@ -140,8 +173,8 @@ def read(call: Any, scores: int) -> Any | None:
         return None
     heads = int(q.shape[2])
 
-    lanes = index._memo(("attend runs", n, scores, heads, call.tile),
-                        lambda: _plan(index, n, scores, heads, call.tile) or ())
+    lanes = index.planned("runs", (n, scores, heads, call.tile),
+                          lambda: _plan(index, n, scores, heads, call.tile) or ())
     if not lanes:
         return None
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
@@ -180,7 +213,7 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
                 if part is None:
                     lane = own()
                     part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
-                mask = part._sees_columns(part._arange(c1 - c0)[None, None, :] + c0)
+                mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
             state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
         parts.append(state.normalised(call.sinks))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=3)

@@ -20,9 +20,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from ..backends.base import inside
+from ..laws import inside
 
-__all__ = ["Tile", "read"]
+__all__ = ["Tile", "draft", "read"]
 
 
 class Tile(NamedTuple):
@@ -50,7 +50,7 @@ def read(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int) -> Itera
     else:
         yield from _table(index, kpool, vpool, size)
         if index.draft_slots is not None:
-            yield _draft(index, k, v)
+            yield draft(index, k, v)
 
 
 def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
@@ -76,7 +76,7 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any) -> list[_P
             return _Plan(tuple(slots.shape), read, True, False)
         return _Plan(tuple(slots.shape), read, bool(xp.any(mask)), bool(xp.all(mask)))
 
-    return [index._memo((*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
+    return [index.planned("tile", (*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
             for p in pools]
 
 
@@ -87,14 +87,14 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
     def lanes() -> tuple[Any, Any]:
         if not found:
-            found["table"], found["some"] = index._lane_table, index._some_token_sees()
+            found["table"], found["some"] = index.lane_table, index.seen_by_some()
         return found["table"], found["some"]
 
-    for c0, c1 in _spans(int(index._columns_table.shape[1]), size):
+    for c0, c1 in _spans(int(index.columns_table.shape[1]), size):
 
         def mask(c0: int = c0, c1: int = c1) -> Any:
-            j = index._arange(c1 - c0)[None, None, :] + c0
-            return index._draft_sees_table(j) if draft else index._sees_columns(j)
+            j = index.arange(c1 - c0)[None, None, :] + c0
+            return index.draft_sees_table(j) if draft else index.sees_columns(j)
 
         def make(c0: int = c0, c1: int = c1, mask: Any = mask) -> tuple[Any, Any, Any]:
             table, some = lanes()
@@ -106,12 +106,12 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
                        None if k_plan.full else mask())
 
 
-def _draft(index: Any, k: Any, v: Any) -> Tile:
+def draft(index: Any, k: Any, v: Any) -> Tile:
     """Under a draft, the call's own tokens: the columns after the table's."""
     xp = index.xp
-    tail = index._draft_tail()
+    tail = index.draft_tail()
     some = xp.any(tail, axis=1)
-    return Tile(index._zero_where(k, some), index._zero_where(v, some), tail)
+    return Tile(index.zero_where(k, some), index.zero_where(v, some), tail)
 
 
 def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
@@ -120,10 +120,10 @@ def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
     columns = index.columns
     for c0, c1 in _spans(int(columns.shape[2]), size):
         part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
-        seen = part._sees_columns(part.columns)
+        seen = part.sees_columns(part.columns)
 
         def make(part: Any = part, seen: Any = seen) -> tuple[Any, Any, Any]:
-            return part._lane_lookup(part._lane_table, part.columns, seen), seen, seen
+            return part.lane_lookup(part.lane_table, part.columns, seen), seen, seen
 
         k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make)
         if k_plan.live:
@@ -138,10 +138,10 @@ def _whole(index: Any, k: Any, v: Any, size: int) -> Iterator[Tile]:
         columns = index.columns
         for c0, c1 in _spans(int(columns.shape[2]), size):
             part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
-            yield Tile(part._seen_whole(k), part._seen_whole(v),
-                       part._sees_columns(part.columns))
+            yield Tile(part.seen_whole(k), part.seen_whole(v),
+                       part.sees_columns(part.columns))
         return
-    seen_k, seen_v = index._seen_whole(k), index._seen_whole(v)
+    seen_k, seen_v = index.seen_whole(k), index.seen_whole(v)
     for c0, c1 in _spans(index.context, size):
-        j = index._arange(c1 - c0)[None, None, :] + c0
-        yield Tile(seen_k[:, c0:c1, ...], seen_v[:, c0:c1, ...], index._sees_columns(j))
+        j = index.arange(c1 - c0)[None, None, :] + c0
+        yield Tile(seen_k[:, c0:c1, ...], seen_v[:, c0:c1, ...], index.sees_columns(j))

@@ -23,9 +23,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..plan import Recent
 from . import layout
 
-__all__ = ["HeadMajor", "TorchPath"]
+__all__ = ["HeadMajor", "TorchPath", "operands"]
 
 
 class TorchPath:
@@ -41,15 +42,11 @@ class TorchPath:
                   if a is not None]
         if torch.is_grad_enabled() and any(a.requires_grad for a in arrays):
             return None
-        from ..index import _flatten
-
-        leaves, (structure, _) = _flatten(index)
         kpool, vpool = call.kpool, call.vpool
         if not call.donate:  # the caller keeps its pools: the operator stores into copies
             kpool, vpool = kpool.clone(), vpool.clone()
-        out = torch.ops.cacheidx.attend(_encode(structure), list(leaves), call.q, call.k,
-                                        call.v, kpool, vpool, call.sinks, call.scale,
-                                        call.softcap, call.tile)
+        out = torch.ops.cacheidx.attend(*operands(index), call.q, call.k, call.v, kpool, vpool,
+                                        call.sinks, call.scale, call.softcap, call.tile)
         return out, kpool, vpool
 
     def layout(self, pool: Tensor) -> str:
@@ -102,32 +99,38 @@ class HeadMajor(NamedTuple):
                             for h in range(v.shape[1])])[None]
 
 
+def operands(index: Any) -> tuple[str, list[int], int, int, list[Tensor]]:
+    """``index`` as the operator's first arguments: its structure's constant part as a string
+    (the only static value an operator takes beside numbers), its numbers as ints (under
+    ``dynamic=True`` they may be symbolic; the operator sees them concrete), its tensors."""
+    s = index.structure
+    return (_encode(s), list(s.blocks), s.every, -1 if s.window is None else s.window,
+            list(index.tensors()))
+
+
 def _encode(structure: Any) -> str:
-    """An index's :class:`~cacheidx.index.Structure` as the operator's string argument."""
-    blocks = ",".join(str(m) for m in structure.blocks)
-    return (f"{structure.kind};{int(structure.row)};{blocks};{structure.every};"
-            f"{-1 if structure.window is None else structure.window};"
-            f"{int(structure.columns)};{int(structure.draft)}")
+    """The constant part of an index's :class:`~cacheidx.index.Structure`, as a string."""
+    return f"{structure.kind};{int(structure.row)};{int(structure.columns)};{int(structure.draft)}"
 
 
-def _decode(text: str) -> Any:
+def _decode(text: str, blocks: list[int], every: int, window: int) -> Any:
     from ..index import Structure
 
-    kind, row, blocks, every, window, columns, draft = text.split(";")
-    return Structure(kind, row == "1", tuple(int(m) for m in blocks.split(",") if m),
-                     int(every), None if window == "-1" else int(window), columns == "1",
-                     draft == "1")
+    kind, row, columns, draft = text.split(";")
+    return Structure(kind, row == "1", tuple(int(m) for m in blocks), int(every),
+                     None if window == -1 else int(window), columns == "1", draft == "1")
 
 
 @torch.library.custom_op("cacheidx::attend", mutates_args=("kpool", "vpool"))
-def _attend(structure: str, leaves: list[Tensor], q: Tensor, k: Tensor, v: Tensor,
-            kpool: Tensor, vpool: Tensor, sinks: Optional[Tensor], scale: float,  # noqa: UP045
+def _attend(structure: str, blocks: list[int], every: int, window: int, leaves: list[Tensor],
+            q: Tensor, k: Tensor, v: Tensor, kpool: Tensor, vpool: Tensor,
+            sinks: Optional[Tensor], scale: float,  # noqa: UP045
             softcap: Optional[float], tile: Optional[int]) -> Tensor:  # noqa: UP045
     """``cacheidx::attend``: the call the arguments name, eagerly, storing into ``kpool`` and
     ``vpool`` (torch's schema needs ``Optional`` spelled out)."""
     from . import attend
 
-    index = _index(structure, leaves)
+    index = _index(_decode(structure, blocks, every, window), leaves)
     # no input wants a gradient (else the tiles compute the call): it attends as an eager
     # serving step does, under inference mode (the backend's products then take oneDNN)
     with torch.inference_mode():
@@ -141,25 +144,21 @@ def _attend(structure: str, leaves: list[Tensor], q: Tensor, k: Tensor, v: Tenso
     return out.clone(memory_format=torch.contiguous_format)
 
 
-#: the last index the operator rebuilt, with what it was rebuilt from: every layer of a step
-#: passes the same tensors, and the one index keeps the host's read plan for all of them
-_LAST: list[tuple[tuple, Any]] = []
+#: the plans of the indices the operator rebuilt lately: every layer of a step passes tensors
+#: of the same values, and shares the one plan that fits them (checked by value: an inference
+#: tensor keeps no version counter, and a write through NumPy bumps none)
+_RECENT = Recent()
 
 
-def _index(structure: str, leaves: list[Tensor]) -> Any:
-    """The index of ``structure`` over ``leaves``: the last one again where its leaves are the
-    same tensors, unchanged since (their version counters say so), else a new one."""
-    from .. import backends
-    from ..index import _unflatten
+def _index(structure: Any, leaves: list[Tensor]) -> Any:
+    """The index of ``structure`` over ``leaves``, with the recent plan that fits their
+    values (a new one where none does)."""
+    from ..index import CacheIndex
 
-    key = (structure, *((id(t), t._version) for t in leaves))
-    if _LAST and _LAST[0][0] == key:
-        return _LAST[0][1]
-    index = _unflatten((_decode(structure), backends.get("torch")), leaves)
-    _LAST[:] = [(key, index)]  # the index holds its leaves: their ids stay theirs
-    return index
+    return CacheIndex.rebuild(structure, leaves, plan=_RECENT.plan(structure, leaves))
 
 
 @_attend.register_fake
-def _(structure, leaves, q, k, v, kpool, vpool, sinks, scale, softcap, tile):
+def _(structure, blocks, every, window, leaves, q, k, v, kpool, vpool, sinks, scale, softcap,
+      tile):
     return q.new_empty((*q.shape[:3], vpool.shape[-1]))

@@ -9,13 +9,17 @@ library: ``import cacheidx`` imports neither torch nor jax.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Backend, inside, redirect_dropped
+from ..laws import inside
+from .base import Backend, Node, redirect_dropped
 
-__all__ = ["Backend", "available", "get", "use", "default", "names", "inside", "redirect_dropped"]
+__all__ = ["Backend", "Node", "available", "get", "inside", "names", "redirect_dropped", "use",
+           "when_made"]
 
 GROUP = "cacheidx.backends"
 
@@ -54,14 +58,32 @@ def _class(name: str) -> type[Backend]:
     return cls
 
 
-@cache
-def _instance(name: str) -> Backend:
-    from ..attention import paths
+#: name -> the one backend made for it
+_MADE: dict[str, Backend] = {}
+#: what the layers above ask of every backend once it is made (:func:`when_made`)
+_HOOKS: list[Callable[[Backend], None]] = []
+_LOCK = threading.RLock()
 
-    backend = _class(name)()
-    backend.register(_index_class())
-    paths.fast(backend)  # its attention path made now: a compiler tracing a call cannot import
-    return backend
+
+def when_made(hook: Callable[[Backend], None]) -> None:
+    """Call ``hook(backend)`` for every backend made, now and from now on: how a layer above
+    hooks into the registry without the registry importing it (the index registers its
+    pytree node; attention makes a library's path before any compiler traces a call)."""
+    with _LOCK:
+        _HOOKS.append(hook)
+        made = list(_MADE.values())
+    for backend in made:
+        hook(backend)
+
+
+def _instance(name: str) -> Backend:
+    with _LOCK:
+        backend = _MADE.get(name)
+        if backend is None:
+            backend = _MADE[name] = _class(name)()
+            for hook in _HOOKS:
+                hook(backend)
+        return backend
 
 
 def available() -> list[str]:
@@ -118,12 +140,6 @@ def _generic(x: Any) -> Backend:
     return Backend(xp)
 
 
-def _index_class() -> type:
-    from ..index import CacheIndex
-
-    return CacheIndex
-
-
 _default = [os.environ.get("CACHEIDX_BACKEND", "numpy")]
 
 
@@ -133,6 +149,3 @@ def use(name: str) -> Backend:
     _default[0] = backend.name
     return backend
 
-
-def default() -> Backend:
-    return get(None)

@@ -10,9 +10,25 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat as compat
+
+from ..laws import expand, inside
+
+
+class Node(NamedTuple):
+    """A class a library's pytree registry takes apart and puts together again: its tensors
+    the leaves, the rest one static value (how the index layer hands itself to the backends,
+    which never import it)."""
+
+    cls: type
+    flatten: Callable[[Any], tuple[list[Any], Any]]  #: obj -> (leaves, static)
+    unflatten: Callable[[Any, list[Any]], Any]  #: (static, leaves) -> obj
+    keys: Callable[[Any], list[str]]  #: static -> the leaves' names (the spec's walk paths)
+    dump: Callable[[Any], str]  #: static -> JSON (torch.export saves it)
+    load: Callable[[str], Any]  #: JSON -> static
+    safe: tuple[Any, ...] = ()  #: what unpickling the static value needs, weights-only
 
 
 class Backend:
@@ -232,22 +248,11 @@ class Backend:
         memory."""
         return False
 
-    def register(self, cls: type) -> None:
-        """Register ``cls`` (the index) with the library's pytree registry, if it has one."""
+    def register(self, node: Node) -> None:
+        """Register ``node`` (the index) with the library's pytree registry, if it has one."""
 
     def __repr__(self) -> str:
         return f"<cacheidx backend {self.name}>"
-
-
-def inside(i: Any, n: int) -> Any:
-    """Law: ``i`` addresses one of ``n`` rows when ``0 <= i < n``; anything else addresses
-    nothing (``-1``, ``n`` and beyond, any other negative)."""
-    return (i >= 0) & (i < n)
-
-
-def expand(xp: Any, gate: Any, ndim: int) -> Any:
-    """``gate`` [N] broadcast against rows [N, ...] of ``ndim`` axes."""
-    return xp.reshape(gate, (gate.shape[0],) + (1,) * (ndim - 1))
 
 
 def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any) -> tuple[Any, Any]:

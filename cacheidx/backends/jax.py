@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any
 
-from .base import Backend, inside
+from ..laws import inside
+from .base import Backend, Node
 
 
 class JaxBackend(Backend):
@@ -142,21 +143,17 @@ class JaxBackend(Backend):
         # a donated buffer is deleted and its memory handed to the result
         return before.is_deleted()
 
-    def register(self, cls: type) -> None:
+    def register(self, node: Node) -> None:
         import jax
 
-        from ..index import _flatten, _leaf_names, _unflatten
-
-        def with_keys(index: Any) -> tuple[list[tuple[Any, Any]], Any]:
-            leaves, static = _flatten(index)
-            keys = [jax.tree_util.GetAttrKey(n) for n in _leaf_names(static[0])]
+        def with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            leaves, static = node.flatten(obj)
+            keys = [jax.tree_util.GetAttrKey(n) for n in node.keys(static)]
             return list(zip(keys, leaves)), static
 
         try:
-            jax.tree_util.register_pytree_with_keys(
-                cls, with_keys, lambda static, leaves: _unflatten(static, leaves),
-                flatten_func=_flatten,
-            )
+            jax.tree_util.register_pytree_with_keys(node.cls, with_keys, node.unflatten,
+                                                    flatten_func=node.flatten)
         except ValueError:  # registered already
             pass
 

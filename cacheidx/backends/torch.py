@@ -13,15 +13,15 @@ found on the host on the CPU) and, on CUDA, one kernel each (``cacheidx::store_r
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any, NamedTuple
 
+from ..laws import expand, inside
 from . import rowkernels
-from .base import Backend, expand, inside, redirect_dropped
+from .base import Backend, Node, redirect_dropped
 
 
 class StorePlan(NamedTuple):
@@ -319,49 +319,34 @@ class TorchBackend(Backend):
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after.data_ptr() == before.data_ptr()
 
-    def register(self, cls: type) -> None:
-        """``cls`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
-        the spec's walk paths, which ``torch.export`` needs), the structure and backend its
-        context, which serialises as JSON so that ``torch.export.save`` takes it."""
+    def register(self, node: Node) -> None:
+        """``node`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
+        the spec's walk paths, which ``torch.export`` needs), the static value its context,
+        which serialises as JSON so that ``torch.export.save`` takes it."""
         import torch
         import torch.utils._pytree as pytree
 
-        from ..index import Structure, _flatten, _leaf_names, _unflatten
         from . import get
 
-        if cls in pytree.SUPPORTED_NODES:
+        if node.cls in pytree.SUPPORTED_NODES:
             return
-        # torch.export.load unpickles example inputs weights-only: allow the index's parts
-        torch.serialization.add_safe_globals([cls, Structure, get])
+        # torch.export.load unpickles example inputs weights-only: allow the node's parts
+        torch.serialization.add_safe_globals([node.cls, *node.safe, get])
 
-        def flatten_with_keys(index: Any) -> tuple[list[tuple[Any, Any]], Any]:
-            leaves, static = _flatten(index)
-            keys = [pytree.MappingKey(name) for name in _leaf_names(static[0])]
+        def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            leaves, static = node.flatten(obj)
+            keys = [pytree.MappingKey(name) for name in node.keys(static)]
             return list(zip(keys, leaves, strict=True)), static
 
         pytree.register_pytree_node(
-            cls,
-            _flatten,
-            lambda leaves, static: _unflatten(static, leaves),
+            node.cls,
+            node.flatten,
+            lambda leaves, static: node.unflatten(static, leaves),
             serialized_type_name="cacheidx.CacheIndex",
-            to_dumpable_context=_dump_context,
-            from_dumpable_context=_load_context,
+            to_dumpable_context=node.dump,
+            from_dumpable_context=node.load,
             flatten_with_keys_fn=flatten_with_keys,
         )
-
-
-def _dump_context(static: tuple[Any, Backend]) -> str:
-    structure, backend = static
-    return json.dumps({"structure": structure._asdict(), "backend": backend.name})
-
-
-def _load_context(text: str) -> tuple[Any, Backend]:
-    from ..index import Structure
-    from . import get
-
-    d = json.loads(text)
-    s = d["structure"]
-    return Structure(**{**s, "blocks": tuple(s["blocks"])}), get(d["backend"])
 
 
 def _traced(pool: Any) -> bool:

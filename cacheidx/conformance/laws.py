@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import build
-from ..index import _flatten, _unflatten
+from ..index import CacheIndex
 from .suite import Case, agree, law
 
 nan = np.nan
@@ -438,8 +438,8 @@ def law_structure_names_what_compiles(case: Case) -> None:
     assert len({v.structure for v in variants}) == len(variants)
     c = index(case, [[1]], [[0, 1]], row=[0])
     assert c.structure != index(case, [[1]], [[0, 1]]).structure
-    leaves, static = _flatten(a)
-    back = _unflatten(static, leaves)
+    leaves = a.tensors()
+    back = CacheIndex.rebuild(a.structure, leaves)
     assert back.structure == a.structure and all(x is y for x, y in zip(back.tensors(), leaves))
 
 

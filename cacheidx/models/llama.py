@@ -411,11 +411,15 @@ def _layer_indices(index, config: Config) -> list:
         indices = [index] * config.layers
     if config.windows is None:
         return indices
-    made = {}
+    # one derived index per distinct (index, window), found by identity within this call
+    # alone (``is``, never ``id()``: a compiler would guard on the number and compile again
+    # for every new index)
+    made = []  # (index, window, its derived index)
     for i, w in enumerate(config.windows):
         if w is not None:
-            key = (id(indices[i]), w)
-            if key not in made:
-                made[key] = indices[i].window(w)
-            indices[i] = made[key]
+            found = [d for ix, v, d in made if ix is indices[i] and v == w]
+            if not found:
+                found = [indices[i].window(w)]
+                made.append((indices[i], w, found[0]))
+            indices[i] = found[0]
     return indices
