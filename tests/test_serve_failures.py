@@ -401,6 +401,36 @@ def test_a_missing_or_empty_file_exits_2_before_the_model_loads(capsys, tmp_path
     assert "holds no request" in capsys.readouterr().err
 
 
+def test_a_byte_order_mark_before_line_1_is_skipped():
+    """Issue 26, item 14: an editor's "UTF-8 with BOM" once made line 1 "not JSON"."""
+    status, out, err = serve(["--max-new-tokens", "3"], ["\ufeff" + LAST, GOOD])
+    assert status == 0, err
+    assert out.splitlines() == [f"[last] {answer([3, 1, 4, 1, 5], 3)}",
+                                f"[ok] {answer(template([{'content': 'hi'}]), 3)}"]
+
+
+def test_a_lone_surrogate_fails_its_line_alone_and_prints_escaped():
+    """Issue 26, item 14: JSON's ``\\ud800`` is half a UTF-16 pair, no text a tokenizer takes
+    (it raised the tokenizer's TypeError); its line fails alone, naming the line and id, and an
+    id holding one prints escaped on a strict UTF-8 stdout, never stopping the others."""
+    lines = [GOOD, '{"id": "s\\ud800", "messages": [{"role": "user", "content": "a\\udc00"}]}',
+             LAST]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "requests.jsonl")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        raw = io.BytesIO()
+        out = io.TextIOWrapper(raw, encoding="utf-8", errors="strict", write_through=True)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), \
+                within(60):
+            status = cli.main([path, "--max-new-tokens", "3"], served=tiny)
+    ok, bad, last = raw.getvalue().decode("utf-8").replace(path, "FILE").splitlines()
+    assert status == 1
+    assert bad == ("[s\\ud800] error: FILE line 2: message 0's \"content\" holds a lone "
+                   "surrogate \"\\udc00\" at character 1: no Unicode text")
+    assert ok.startswith("[ok] ") and last == f"[last] {answer([3, 1, 4, 1, 5], 3)}"
+
+
 def test_the_commands_help_states_the_exit_status(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])

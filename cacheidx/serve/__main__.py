@@ -20,10 +20,13 @@ ids; without a tokenizer, requests give ``"prompt_ids"``. A turn ends at its
 ``generation_config.eos_token_id``.
 
 A request fails alone: a line that is no request (not JSON, a field of the wrong type or out
-of range), a token id past the model's vocabulary, more tokens than the model's context or
-the pool holds. Its result carries the error, naming its line and id, and the others are
-served. The exit status is 0 when every request was served, 1 when some request failed, 2
-for bad usage (a bad option, a file that cannot be read or holds no request, no model).
+of range, a message that is no Unicode text), a token id past the model's vocabulary, more
+tokens than the model's context or the pool holds. Its result carries the error, naming its
+line and id, and the others are served. Without a tokenizer to decode them, an answer is
+its token ids. The exit status is 0 when every request was served, 1 when some request
+failed, 2 for bad usage (a bad option, a file that cannot be read or holds no request, no
+model or one that cannot be read), 130 when interrupted (Ctrl-C, SIGINT): every finished
+answer is printed (with ``--json``, written) and the unfinished requests are named.
 """
 
 from __future__ import annotations
@@ -46,18 +49,20 @@ from .requests import Result, read_requests
 EOS = 2  # <|im_end|>, SmolLM2's end of a turn
 MOST_PAGES = 1024  # the default pool's cap: 1024 pages of 16 tokens of SmolLM2 are ~750 MB
 LATEST = 86_400.0  # the latest arrival a line may ask for: a day (the command waits for it)
+INTERRUPTED = 130  # the exit status after Ctrl-C: the shells' 128 + SIGINT
 
 
 @dataclasses.dataclass(frozen=True)
 class Served:
     """What the command serves: the engine's ``model`` (which says its ``vocab`` and
     ``context``), the chat ``template`` (messages to prompt ids), ``decode`` (token ids to
-    text) and the tokens that end a turn (``stop``, not printed)."""
+    text; ``None`` without a tokenizer: the ids are the answer) and the tokens that end a
+    turn (``stop``, not printed)."""
 
     name: str
     model: Any
     template: Callable[[list[dict]], list[int]]
-    decode: Callable[[list[int]], str]
+    decode: Callable[[list[int]], str] | None
     stop: tuple[int, ...] = ()
 
 
@@ -77,7 +82,8 @@ def transformers_model(path: str) -> Served:
     from ..integrations import transformers as cit
 
     loaded = cit.load(path)
-    return Served(loaded.name, cit.model(loaded.model), loaded.template, loaded.decode,
+    return Served(loaded.name, cit.model(loaded.model), loaded.template,
+                  loaded.decode if loaded.tokenizer is not None else None,
                   tuple(sorted(cit.stop_ids(loaded.model))))
 
 
@@ -92,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
                                 "or the pool) fails alone: its result names its line and id, "
                                 "and the others are served. Exit status: 0 every request "
                                 "served, 1 some request failed, 2 bad usage (a bad option, a "
-                                "file that cannot be read or holds no request, no model).")
+                                "file that cannot be read or holds no request, no model or "
+                                "one that cannot be read), 130 interrupted (Ctrl-C): the "
+                                "finished answers are printed, the unfinished requests named.")
     p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line: "
                    '{"id", "messages"} or {"id", "prompt_ids"}, optionally "arrival" (seconds, '
                    f"at most {LATEST:g}) and \"max_new_tokens\"; - for stdin")
@@ -123,7 +131,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = smollm2) -> int:
     """The command; ``served`` loads what it serves (SmolLM2; a test passes a small model),
-    unless ``--model`` names a transformers model."""
+    unless ``--model`` names a transformers model. Ctrl-C (``KeyboardInterrupt``) returns
+    130, once what finished is printed."""
+    try:
+        return _main(argv, served)
+    except KeyboardInterrupt:  # before any request was submitted: nothing to keep
+        print("cacheidx.serve: interrupted before serving", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     from .. import backends
     from ..models.gguf import ModelMissing
 
@@ -167,8 +184,10 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
     except (OSError, ValueError, TypeError) as e:
         if args.model is None:
             raise
-        # no model at the path, or one cacheidx cannot serve: said, as bad usage
-        say(f"cacheidx.serve: cannot serve {args.model}: {type(e).__name__}: {e}")
+        # no model at the path, one that cannot be read, or one cacheidx cannot serve: said,
+        # on one line, as bad usage (cacheidx's own ValueErrors name what is wrong)
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        say(f"cacheidx.serve: cannot serve {args.model}: {' '.join(why.split())}")
         return 2
     lines = read_requests(text.splitlines(), what.template, max_new_tokens=args.max_new_tokens,
                           stop=what.stop, latest=LATEST)
@@ -177,11 +196,12 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
         if line.error is not None:
             say(f"{where} line {line.number}: request {line.id!r} failed: {line.error}")
     groups = Groups.of(getattr(what.model, "windows", None) or [None])
+    longest = getattr(what.model, "context", None)
     pages = pools = args.pages
     if pages is None:  # a sliding group's pool holds one window at least (Engine's law 5)
         pages = min(MOST_PAGES, max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1)
                                              // args.page_size) for r in requests)))
-        pools = groups.pools(pages, args.page_size)
+        pools = groups.pools(pages, args.page_size, longest)
     compile = args.compile or (args.backend == "jax" and not args.eager)
     sizes = ("; ".join(f"{n} pages for window {w}" for w, n in pools.items())
              if isinstance(pools, dict) and len(set(pools.values())) > 1 else f"{pages} pages")
@@ -192,7 +212,6 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
     # compiled, one shape for each kind of call (two programs to build, which for 30 layers
     # is most of a short run), as wide as the longest request the pool and the model hold
     # (only full layers' pages limit a request)
-    longest = getattr(what.model, "context", None)
     totals = [len(r.prompt) + r.max_new_tokens - 1 for r in requests]
     fits = [t for t in totals if (None not in groups.windows or -(-t // args.page_size) <= pages)
             and (longest is None or t <= longest)]
@@ -205,45 +224,79 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
     except ValueError as e:  # an unknown device (say what exists), a pool below one window
         say(str(e))
         return 2
-    line_of = {engine.submit(line.request): line.number for line in lines
-               if line.request is not None}
+    ticket_of = {line.number: engine.submit(line.request) for line in lines
+                 if line.request is not None}
+    line_of = {t: n for n, t in ticket_of.items()}
+    done: dict[int, Result] = {}  # each result as it finishes: what Ctrl-C keeps
 
     def finished(r: Result) -> None:
+        done[r.ticket] = r
         at = f"{where} line {line_of[r.ticket]}: request {r.id!r}"
         say(f"{at} failed: {r.error}" if r.error is not None else
             f"{at}: {len(r.prompt_ids)} prompt tokens ({r.cached_tokens} cached), "
             f"{len(r.tokens)} new")
 
-    served_ = iter(engine.run(on_finish=finished))
-    results = []
+    try:
+        engine.run(on_finish=finished)
+        interrupted = False
+    except KeyboardInterrupt:  # the step it cut short is lost; what finished before is kept
+        interrupted = True
+    results, unfinished = [], []
     for line in lines:  # in the file's order, the bad lines in their places
-        r = next(served_) if line.request is not None else Result(line.id, [], error=line.error)
+        if line.request is None:
+            r = Result(line.id, [], error=line.error)
+        elif ticket_of[line.number] in done:
+            r = done[ticket_of[line.number]]
+        else:
+            unfinished.append(line)
+            continue
         if r.error is not None:
             r.error = f"{where} line {line.number}: {r.error}"
         results.append((line.number, r))
     figures = engine.figures()
     bad = len(lines) - len(requests)
-    figures["requests"] += bad
+    figures["requests"] += bad + len(unfinished)
     figures["failed"] += bad
+    if interrupted:
+        figures["unfinished"] = len(unfinished)
+        named = ", ".join(f"{line.id!r} (line {line.number})" for line in unfinished[:10])
+        more = f" and {len(unfinished) - 10} more" if len(unfinished) > 10 else ""
+        say(f"cacheidx.serve: interrupted; {len(unfinished)} of {len(requests)} requests "
+            f"unfinished{': ' if unfinished else ''}{named}{more}")
     say(summary(figures))
 
-    def text_of(r: Result) -> str:
-        return what.decode([t for t in r.tokens if t not in what.stop])
+    def text_of(r: Result) -> str | None:  # None without a tokenizer: the ids are the answer
+        tokens = [t for t in r.tokens if t not in what.stop]
+        return None if what.decode is None else what.decode(tokens)
 
     if args.json:
-        out = [dict(r.as_json(), line=n, text=text_of(r)) for n, r in results]
-        print(json.dumps({"requests": out, "figures": figures}))
+        out = {"requests": [dict(r.as_json(), line=n, text=text_of(r)) for n, r in results],
+               "figures": figures}
+        if interrupted:
+            out["unfinished"] = [{"id": line.id, "line": line.number} for line in unfinished]
+        print(json.dumps(out))
     else:
         for _, r in results:
-            answer = f"error: {r.error}" if r.error is not None else text_of(r).strip()
-            print(f"[{r.id}] {answer}")
-    return 1 if figures["failed"] else 0
+            text = text_of(r)
+            if r.error is not None:
+                text = f"error: {r.error}"
+            elif text is None:
+                text = " ".join(str(t) for t in r.tokens if t not in what.stop)
+            print(_printable(f"[{r.id}] {text.strip()}"))
+    return INTERRUPTED if interrupted else 1 if figures["failed"] else 0
+
+
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate a JSON line escaped, ``\\ud800``)
+    written as its escape: one bad id never stops the other answers' printing."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def summary(f: dict) -> str:
     """The figures a person reads: tokens, the hit rate, pages, speed."""
     rate = f"{f['tokens_per_second']:.1f}" if f.get("tokens_per_second") else "-"
-    return (f"served {f['requests'] - f['failed']} of {f['requests']} requests: "
+    served = f["requests"] - f["failed"] - f.get("unfinished", 0)
+    return (f"served {served} of {f['requests']} requests: "
             f"{f['prompt_tokens']} prompt tokens, {f['computed_tokens']} computed, "
             f"{f['cached_tokens']} read from the cache (hit rate {100 * f['hit_rate']:.1f}%); "
             f"pages: {f['pages']} of {f['page_size']} tokens, at most {f['peak_pages_in_use']} "

@@ -26,8 +26,10 @@ Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
    and a pool of pages; a sliding group frees what no call still to come reads (the
    scheduler's law 5), so a request holds about ``(w + chunk) / page_size + 1`` pages there
    whatever its length. The tokens are those of one table for every layer (``windows=[None]
-   * layers``). A pool that cannot hold one window of its group is refused when the engine
-   is made.
+   * layers``). A window that never frees a page of a request the engine holds (of at most
+   the model's ``context`` and the engine's tokens) is kept as a full one (the groups' law
+   4). A pool that cannot hold one window of its group, or one request where that is fewer
+   pages, is refused when the engine is made.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def _quiet(_: str) -> None:
 class Engine:
     """Serves requests with ``model`` (a :class:`~cacheidx.serve.model.Model`, computed by a
     :class:`~cacheidx.serve.step.Step` on ``backend`` and ``device``, compiled with
-    ``compile``) or with ``executor`` (anything with ``Step.run``'s signature: a simulation).
+    ``compile``: ``True``, or the name of the library's compiler, torch.compile's
+    ``"aot_eager"`` say) or with ``executor`` (anything with ``Step.run``'s signature: a
+    simulation).
 
     ``pages`` pages of ``page_size`` tokens hold every request's keys and values and the
     cache; ``lanes`` requests run at once; prefill computes at most ``chunk`` tokens per
@@ -84,10 +88,11 @@ class Engine:
 
     Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
     that is not a positive integer (``pages`` may be 0), a window below the model's own, or a
-    pool that cannot hold one window of its sliding group."""
+    pool that cannot hold one window of its sliding group (nor one request of the most
+    tokens a request holds, where that is fewer pages)."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
-                 device: str | None = None, compile: bool = False, pages: int = 256,
+                 device: str | None = None, compile: bool | str = False, pages: int = 256,
                  page_size: int = 16, lanes: int = 8, chunk: int | None = None,
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
                  clock: str = "seconds", shapes: str | None = None,
@@ -99,14 +104,17 @@ class Engine:
             raise ValueError(f"cacheidx.serve.Engine: clock must be 'seconds' or 'steps', got "
                              f"{clock!r}")
         page_size = check.integer(_WHERE, "page_size", page_size, least=1)
-        self.groups = Groups.of(windows_told(f"cacheidx.{_WHERE}", windows,
-                                             getattr(model, "windows", None)))
-        counts = _pools(self.groups, pages, page_size)
+        if context is not None:
+            context = check.integer(_WHERE, "context", context, least=1)
+        # the most tokens a request holds: what a window must reach past to free a page
+        longest = min([c for c in (context, getattr(model, "context", None)) if c is not None],
+                      default=None)
+        told = windows_told(f"cacheidx.{_WHERE}", windows, getattr(model, "windows", None))
+        self.groups = Groups.of(told, longest, page_size)
+        counts = _pools(Groups.of(told), self.groups, pages, page_size, longest)
         lanes = check.integer(_WHERE, "lanes", lanes, least=1)
         chunk = (64 if compile else 256) if chunk is None else \
             check.integer(_WHERE, "chunk", chunk, least=1)
-        if context is not None:
-            context = check.integer(_WHERE, "context", context, least=1)
         self.cache = PrefixCache(counts, page_size, policy=policy, windows=self.groups.windows)
         self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
                                    context=context, vocab=getattr(model, "vocab", None),
@@ -275,23 +283,33 @@ class Engine:
         return f
 
 
-def _pools(groups: Groups, pages: Any, page_size: int) -> list[int]:
-    """Each group's pool (law 5): ``pages`` for each, or ``pages[window]``; refused where a
-    sliding group's pool cannot hold one window."""
+def _pools(told: Groups, groups: Groups, pages: Any, page_size: int, longest: int | None
+           ) -> list[int]:
+    """Each group's pool (law 5): ``pages`` for each, or ``pages[window]`` for each window
+    ``told``; refused where a sliding window's pool cannot hold one window, or one request of
+    ``longest`` tokens where that is fewer pages. A window kept as full (the groups' law 4)
+    holds what the full group holds, and takes the smallest pool of those it joins."""
     if isinstance(pages, Mapping):
-        if set(pages) != set(groups.windows):
+        if set(pages) != set(told.windows):
             raise ValueError(f"cacheidx.{_WHERE}: pages names the windows "
                              f"{sorted(pages, key=str)}; the groups' are "
-                             f"{list(groups.windows)}")
-        counts = [check.integer(_WHERE, f"pages[{w}]", pages[w], least=0)
-                  for w in groups.windows]
+                             f"{list(told.windows)}")
+        counts = {w: check.integer(_WHERE, f"pages[{w}]", pages[w], least=0)
+                  for w in told.windows}
     else:
-        counts = [check.integer(_WHERE, "pages", pages, least=0)] * len(groups.windows)
-    for w, c, n in zip(groups.windows, counts, groups.layers, strict=True):
-        if w is not None and c < window_pages(w, page_size):
+        counts = dict.fromkeys(told.windows, check.integer(_WHERE, "pages", pages, least=0))
+    for w, n in zip(told.windows, told.layers, strict=True):
+        if w is None:
+            continue
+        need = window_pages(w, page_size)
+        why = f"one window needs {need} (a token reads itself and the {w - 1} positions before it)"
+        if longest is not None and -(-longest // page_size) < need:  # no request holds more
+            need = -(-longest // page_size)
+            why = f"a request of {longest} tokens, the most the engine holds, needs {need}"
+        if counts[w] < need:
             layers = f"{n} layer{'s' * (n != 1)}"
             raise ValueError(f"cacheidx.{_WHERE}: the pool of the {layers} of window {w} has "
-                             f"{c} pages of {page_size} tokens; one window needs "
-                             f"{window_pages(w, page_size)} (a token reads itself and the "
-                             f"{w - 1} positions before it)")
-    return counts
+                             f"{counts[w]} pages of {page_size} tokens; {why}")
+    return [min(c for w, c in counts.items()
+                if w == g or (g is None and w not in groups.windows))
+            for g in groups.windows]

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..prefix.reach import window_pages
 
-__all__ = ["Groups", "windows_told"]
+__all__ = ["Groups", "frees", "windows_told"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,12 @@ class Groups:
     of_layer: tuple[int, ...]
 
     @classmethod
-    def of(cls, layer_windows: Sequence[int | None]) -> Groups:
-        """The groups of layers whose windows are ``layer_windows`` (``None``: full)."""
+    def of(cls, layer_windows: Sequence[int | None], context: int | None = None,
+           page_size: int = 1) -> Groups:
+        """The groups of layers whose windows are ``layer_windows`` (``None``: full), a window
+        that never frees a page of a request of at most ``context`` tokens (where given)
+        kept as a full one (law 4)."""
+        layer_windows = [w if frees(w, context, page_size) else None for w in layer_windows]
         kinds = sorted(set(layer_windows), key=lambda w: -1 if w is None else w)
         at = {w: g for g, w in enumerate(kinds)}
         return cls(tuple(kinds), tuple(at[w] for w in layer_windows))
@@ -53,11 +57,13 @@ class Groups:
         """Whether some group frees what its layers no longer read."""
         return any(w is not None for w in self.windows)
 
-    def pools(self, pages: int, page_size: int) -> dict[int | None, int]:
+    def pools(self, pages: int, page_size: int, context: int | None = None
+              ) -> dict[int | None, int]:
         """A default pool of ``pages`` pages for each group (``Engine(pages=...)``), a sliding
-        group's raised to the pages one window reads, which its pool must hold."""
-        return {w: pages if w is None else max(pages, window_pages(w, page_size))
-                for w in self.windows}
+        group's raised to the pages one window reads, which its pool must hold (unless it
+        never frees a page of a request of ``context`` tokens, law 4)."""
+        return {w: max(pages, window_pages(w, page_size)) if frees(w, context, page_size)
+                else pages for w in self.windows}
 
     def per_layer(self, indices: Any) -> Any:
         """Law 3: the index each layer reads, from one index per group (a tuple), or the one
@@ -65,6 +71,15 @@ class Groups:
         if not isinstance(indices, tuple):
             return indices
         return [indices[g] for g in self.of_layer]
+
+
+def frees(window: int | None, context: int | None, page_size: int) -> bool:
+    """Law 4: whether a group of ``window`` ever frees a page of a request of at most
+    ``context`` tokens (any request where ``context`` is ``None``): whether the reach of its
+    last position, ``context - window``, gets past page 0."""
+    if window is None:
+        return False
+    return context is None or context - window >= page_size
 
 
 def windows_told(where: str, told: Any, model: Sequence[int | None] | None

@@ -138,14 +138,17 @@ def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[in
     """Requests from JSON lines ``{"id": ..., "messages": [{"role": ..., "content": ...},
     ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, with an optional ``"arrival"`` (seconds,
     at most ``latest`` where given) and ``"max_new_tokens"``; ``template`` turns the messages
-    into prompt ids (the model's chat template). Blank lines are skipped.
+    into prompt ids (the model's chat template). Blank lines are skipped, and a UTF-8 byte
+    order mark before the first line.
 
     Each other line gives a :class:`Line`: its request, or why it is none (not JSON, not an
-    object, a field of the wrong type or out of range, a template that failed), so that one
-    bad line fails alone."""
+    object, a field of the wrong type or out of range, a message that is no Unicode text, a
+    template that failed), so that one bad line fails alone."""
     stop = frozenset(stop)
     out = []
     for n, text in enumerate(lines, 1):
+        if n == 1:
+            text = text.removeprefix("\ufeff")  # what an editor's "UTF-8 with BOM" writes
         if not text.strip():
             continue
         try:
@@ -191,6 +194,12 @@ def _prompt(item: dict, template: Callable[[list[dict]], list[int]]) -> Any:
             if not isinstance(m[field], str):
                 raise TypeError(f'message {k}\'s "{field}" must be a string, got '
                                 f'{json.dumps(m[field])[:60]}')
+            try:  # JSON's escapes can write half a UTF-16 pair, which no tokenizer takes
+                m[field].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f'message {k}\'s "{field}" holds a lone surrogate '
+                                 f'{json.dumps(e.object[e.start])} at character {e.start}: '
+                                 "no Unicode text") from None
     try:
         return template(messages)
     except Exception as e:  # the template's own failure, whatever its library raises

@@ -49,10 +49,21 @@ class Loaded:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids))
 
 
-def load(path: str, *, dtype: Any = None) -> Loaded:
+def load(path: str | os.PathLike, *, dtype: Any = None) -> Loaded:
     """The model at ``path`` (a ``save_pretrained`` folder or a ``.gguf`` file), on the CPU in
-    ``dtype`` (float32 by default) and eval mode, and its tokenizer where it has one. Raises
-    ``ValueError`` naming the path when it is neither."""
+    ``dtype`` (float32 by default) and eval mode, and its tokenizer where it has one.
+
+    Raises ``TypeError`` for a ``path`` that is no string or path, and ``ValueError`` naming
+    the path where nothing is there, where it is neither, and where its model cannot be read
+    (a truncated weights file, weights of other sizes than its config says: the first such
+    tensor named)."""
+    if not isinstance(path, str | os.PathLike) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"{_WHERE}: path must be a string or a path, got {path!r:.60}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{_WHERE}: {path!r} does not exist (so it is neither a folder "
+                         "save_pretrained wrote nor a .gguf file)")
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,8 +76,21 @@ def load(path: str, *, dtype: Any = None) -> Loaded:
     else:
         raise ValueError(f"{_WHERE}: {path!r} is neither a folder save_pretrained wrote (with "
                          "a config.json) nor a .gguf file")
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True,
-                                                 **extra).eval()
+    try:  # the sizes checked here, not by transformers' error that points to its log
+        model, info = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, local_files_only=True, ignore_mismatched_sizes=True,
+            output_loading_info=True, **extra)
+    except ImportError:  # a package the format needs: said as it is
+        raise
+    except Exception as e:  # whatever the format's reader raises for a file it cannot read
+        raise ValueError(f"{_WHERE}: cannot read the model at {path!r}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}") from e
+    if info["mismatched_keys"]:
+        key, stored, wanted = sorted(info["mismatched_keys"])[0]
+        raise ValueError(f"{_WHERE}: the weights at {path!r} do not match its config: {key} is "
+                         f"{list(stored)} in the weights, {list(wanted)} by the config "
+                         f"({len(info['mismatched_keys'])} tensors differ)")
+    model.eval()
     if not extra and not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         # (transformers would make an empty tokenizer of the model's class)
         return Loaded(path, model, None, "the folder holds no tokenizer files")
