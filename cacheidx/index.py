@@ -63,8 +63,9 @@ class CacheIndex:
     columns: Any = None
     draft_slots: Any = None
     draft_sees: Any = None
-    #: the adapter of the tensors' library; static, so a compiler never looks it up
-    backend: backends.Backend = dataclasses.field(default=None, repr=False)
+    #: the adapter of the tensors' library (its :class:`~cacheidx.backends.Arrays`); static,
+    #: so a compiler never looks it up
+    backend: backends.Arrays = dataclasses.field(default=None, repr=False)
     #: what the host derives from the index's values for every layer (:mod:`cacheidx.plan`);
     #: every derived index starts a plan of its own (``dataclasses.replace`` never copies it),
     #: and a traced one has none (its parts are computed inside the program)

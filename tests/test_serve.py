@@ -201,8 +201,7 @@ def test_compiled_calls_keep_every_array_at_one_address(tiny, monkeypatch):
     static for dynamo, on every call. (The tiny Llama's programs, built by the test above.)"""
     backend_or_skip("torch")
     config, params, model = tiny
-    monkeypatch.setattr(ci.backends.get("torch"), "compiler", "aot_eager")
-    engine = Engine(model, backend="torch", compile=True, pages=256, page_size=4, lanes=5,
+    engine = Engine(model, backend="torch", compile="aot_eager", pages=256, page_size=4, lanes=5,
                     chunk=16, keep_logits=True, clock="steps", context=64, shapes="fixed")
     step = engine.executor
     pools = [(k.data_ptr(), v.data_ptr()) for k, v in step.pools]
@@ -341,9 +340,9 @@ def test_tiny_llama_equal_with_and_without_the_cache_and_under_pressure(tiny, na
     """Greedy tokens identical, and the last logits within 1e-4 of each request computed alone,
     with the cache, without it, and with a quarter of the pages the cache would use."""
     config, params, model = tiny
-    backend = backend_or_skip(name)
-    if name == "torch":
-        monkeypatch.setattr(backend, "compiler", "aot_eager")
+    backend_or_skip(name)
+    if name == "torch" and compile:
+        compile = "aot_eager"
     # one shape of each call (the ledger's test shows buckets): compiling is what costs here
     common = dict(backend=name, compile=compile, page_size=4, lanes=5, chunk=16,
                   keep_logits=True, clock="steps", context=64, debug=True,

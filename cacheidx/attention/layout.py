@@ -7,9 +7,8 @@ default) or ``"head"`` (HND: each head's slots one after another, a view of ``[k
 dim]`` with its first two axes swapped). Values, laws and stores are the same in both; only
 what a read streams differs. An attention layer reads one head's keys of a run of slots at a
 time: head-major, that is one contiguous block the prefetcher follows; token-major, a stride
-of ``kv_heads * dim`` elements apart, and on the CPU it waits on memory (one decode layer, 8
-lanes of 4,096 tokens, 3 kv heads of 64, one thread, pools cold: 5.8 ms token-major, 4.1 ms
-head-major, torch's SDPA over contiguous head-major keys 5.2 ms). Not every read gains (torch's
+of ``kv_heads * dim`` elements apart, and on the CPU it waits on memory (the figures:
+docs/attention.md, "Where the bytes lie"). Not every read gains (torch's
 ``index_select`` runs at about half speed over a head-major pool; NumPy's ``take`` would copy
 one whole, so its backend takes a head at a time), so only a library whose attention path says
 so (its ``layout(pool)``: NumPy's, and PyTorch's on the CPU) gets head-major pools by default.

@@ -1,9 +1,8 @@
 """NumPy: the core computes every call (views of runs, or tiles); what NumPy's path adds is the
 pools' memory order. Head-major pools let a lane's products read each head's keys as one
 contiguous block, and the backend gathers a tile's rows a head at a time from them
-(``cacheidx.backends.numpy``), so NumPy asks for them (a decode step of 8 lanes at 4k tokens
-through the 2-layer benchmark model: 0.92x to 0.96x transformers' static cache head-major,
-0.68x to 0.71x token-major)."""
+(``cacheidx.backends.numpy``), so NumPy asks for them (the decode figures of both orders:
+docs/performance.md, "long_context")."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-__all__ = ["Layout", "Path", "Products", "fast", "products"]
+__all__ = ["Path", "Products", "fast", "products"]
 
 GROUP = "cacheidx.attention"
 
@@ -29,15 +29,12 @@ _BUILTIN = {
 
 
 class Path(Protocol):
+    """A library's path. Beside ``attend`` it may offer ``layout(pool)``: ``"head"`` or
+    ``"token"``, the memory order (:mod:`~cacheidx.attention.layout`) it reads fastest for a
+    pool like ``pool`` (token-major without it), and ``products`` (:class:`Products`)."""
+
     def attend(self, call: Any) -> tuple[Any, Any, Any] | None:
         """``(out, kpool', vpool')`` of ``call``, or ``None`` where this path does not apply."""
-
-
-class Layout(Protocol):
-    def layout(self, pool: Any) -> str:
-        """``"head"`` or ``"token"``: the memory order (:mod:`~cacheidx.attention.layout`) this
-        path reads fastest for a pool like ``pool`` (its device, its dtype). Optional: a path
-        without it gets token-major pools."""
 
 
 class Products(Protocol):

@@ -41,9 +41,7 @@ ROWS = 256
 MOST_RUNS = 16
 #: bytes of a view's keys past which its products read it in chunks (:attr:`Online.chunk`),
 #: and the bytes of a chunk: about what a core's own cache keeps between a chunk's products
-#: (one decode layer of 8 lanes, one thread, this project's 2-core machine: 1 MB chunks 5.4 ms
-#: at 4k tokens and 21.9 ms at 16k; 2 MB past 4 MB, 6.3 and 24.9; SDPA over contiguous
-#: head-major keys, 5.4 and 23.0)
+#: (measured against other sizes and SDPA: docs/attention.md, "How it reads")
 LONG, CHUNK = 1 << 20, 1 << 20
 
 

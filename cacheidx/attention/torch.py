@@ -3,13 +3,15 @@ and over head-major pools on the CPU, a lane's products shaped as torch streams 
 
 Eagerly, the core reads a lane's runs of slots as views of the pools (:mod:`.runs`); traced,
 there are no values to find runs in, and the standard's tiles gather every tile's keys, which
-costs a compiled decode layer about three times an eager one (8 lanes of 4,096 tokens, one
-thread: 13 to 16 ms against 4.2). So under ``torch.compile`` a call is
+costs a compiled decode layer several times an eager one (docs/attention.md has the figures).
+So under ``torch.compile`` a call is
 ``torch.ops.cacheidx.attend``, a custom operator the compiler keeps whole (vLLM's attention
 is one too): at run time it rebuilds the index from its tensors and attends as an eager
 serving step does (under inference mode), storing into the pools it is handed (the operator
-mutates them): eager and compiled calls compute the same thing by the same code. The index's
-structure travels as a string, the only static value an operator takes beside numbers.
+mutates them): eager and compiled calls compute the same thing by the same code (attention's
+laws 1 and 2, kept by the eager code). The index travels as :func:`operands`: its structure's
+constant part as a string, its numbers as ints, its tensors; the plan every layer shares is the
+recent one that fits the tensors' values (:class:`~cacheidx.plan.Recent`).
 
 Under autograd (a training step through a whole index) the traced tiles stay: the operator has
 no backward. On a GPU they stay too: the operator plans its reads on the host, and a CUDA graph
@@ -64,18 +66,17 @@ class TorchPath:
 
 
 #: the most query rows per kv head (grouped heads x tokens) whose scores are computed keys
-#: first: a decode step's few (an 8,192-token prefill, keys first 1.9 to 2.4 s, plain 1.3 to 1.5)
+#: first: a decode step's few (a long prefill's are faster plain: docs/attention.md)
 FEW = 16
 #: the fewest columns for which the products of their own pay for their extra calls: below,
-#: one product over all heads (a chat served at 60 to 300 tokens of context: 27.6 tokens/s
-#: with these products on every piece, 32.9 without)
+#: one product over all heads (a served chat's short pieces lose to the extra calls)
 SHORT = 512
 
 
 class HeadMajor(NamedTuple):
     """A lane's products where each head's slots are contiguous rows (a head-major pool), each
-    shaped as the library streams fastest (one decode layer, 8 lanes of 4,096 tokens, 3 kv
-    heads of 64, one thread, cold: 4.2 ms with the standard's products, 3.2 ms with these)."""
+    shaped as the library streams fastest (a decode layer's figures against the standard's
+    products: docs/attention.md, "Where the bytes lie")."""
 
     backend: Any
 
@@ -84,14 +85,13 @@ class HeadMajor(NamedTuple):
             # product's softmax would run over strided scores), or too few keys to pay
             return q @ keys.permute(0, 2, 3, 1)
         # K_h q_h^T, long rows of keys against the few queries (MKL's q K^T with a few rows
-        # streams the keys slower: 1.95 against 1.39 ms for that layer's scores); the
-        # transpose back is a view
+        # streams the keys slower); the transpose back is a view
         z = torch.bmm(keys[0].transpose(0, 1), q[0].transpose(1, 2))
         return z.transpose(1, 2)[None]
 
     def weigh(self, p: Tensor, values: Tensor) -> Tensor:
         # the backend's product with a weight (oneDNN's linear under inference mode, which
-        # streams V_h twice as fast as MKL's P V_h there: 1.0 against 1.9 ms), head by head
+        # streams V_h faster than MKL's P V_h there), head by head
         if values.shape[1] < SHORT:
             return p @ values.permute(0, 2, 1, 3)
         v = values[0]

@@ -17,9 +17,10 @@ from typing import Any
 
 from ..laws import inside
 from .base import Backend, Node, redirect_dropped
+from .protocols import Arrays, Checking, Compiling, Serving
 
-__all__ = ["Backend", "Node", "available", "get", "inside", "names", "redirect_dropped", "use",
-           "when_made"]
+__all__ = ["Arrays", "Backend", "Checking", "Compiling", "Node", "Serving", "available", "get",
+           "inside", "names", "redirect_dropped", "use", "when_made"]
 
 GROUP = "cacheidx.backends"
 

@@ -32,7 +32,9 @@ class Node(NamedTuple):
 
 
 class Backend:
-    """One array library, as the core sees it.
+    """One array library, as the core sees it: :mod:`~cacheidx.backends.protocols`'
+    ``Arrays``, ``Compiling``, ``Serving`` and ``Checking`` in one adapter, each member with a
+    standard-only default.
 
     Subclasses set ``name`` and ``module`` (the library's top-level module, looked up in
     ``sys.modules`` only, so that detecting an array never imports a framework).
@@ -40,8 +42,9 @@ class Backend:
 
     name: str = "standard"
     module: str | None = None
-    #: whether ``jit`` really compiles (reported by the conformance runner)
-    compiles: bool = False
+    #: the compiler ``jit`` uses when given none, where the library has several to name
+    #: (torch.compile's backends); ``None`` where ``jit`` takes no name
+    compiler: str | None = None
     #: whether ``scatter(..., donate=True)`` writes into the caller's memory
     donates: bool = False
     #: the ways ``jit`` compiles (its ``mode``): ``"compiled"``, the library's compiler with
@@ -142,9 +145,11 @@ class Backend:
         return fn
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-            mode: str = "compiled") -> Callable:
-        """Compile ``fn`` where the library has a compiler (in one of its ``modes``); eager
-        where it has none."""
+            mode: str = "compiled", compiler: str | None = None) -> Callable:
+        """Compile ``fn`` where the library has a compiler (in one of its ``modes``, with the
+        named ``compiler`` where it has several: :attr:`compiler` when ``None``); eager where
+        it has none."""
+        _no_name(self, compiler)
         return fn
 
     @contextlib.contextmanager
@@ -180,11 +185,11 @@ class Backend:
 
     # -- an engine's step: compiled once per shape, called many times ------------------------
     def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-                 programs: int = 8) -> Callable:
+                 programs: int = 8, compiler: str | None = None) -> Callable:
         """``jit`` for a step called over and over with its arrays kept where they are
         (``fix``): where the library replays a recorded program (CUDA graphs) it does, and it
         keeps up to ``programs`` compiled shapes."""
-        return self.jit(fn, donate_argnums=donate_argnums)
+        return self.jit(fn, donate_argnums=donate_argnums, compiler=compiler)
 
     def static_shape(self, x: Any) -> Any:
         """``x``, whose shape a compiled step may take as fixed (a model's weights), even where
@@ -253,6 +258,12 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<cacheidx backend {self.name}>"
+
+
+def _no_name(backend: Backend, compiler: str | None) -> None:
+    if compiler is not None and backend.compiler is None:
+        raise ValueError(f"cacheidx.jit: {backend.name} has one compiler, which takes no name; "
+                         f"got compiler={compiler!r}")
 
 
 def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any) -> tuple[Any, Any]:

@@ -15,13 +15,12 @@ from functools import cache
 from typing import Any
 
 from ..laws import inside
-from .base import Backend, Node
+from .base import Backend, Node, _no_name
 
 
 class JaxBackend(Backend):
     name = "jax"
     module = "jax"
-    compiles = True
     donates = True
     modes = ("compiled",)
 
@@ -56,13 +55,26 @@ class JaxBackend(Backend):
         return pool.at[jnp.where(ok, slots, n)].get(mode="fill", fill_value=0)
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-            mode: str = "compiled") -> Callable:
-        """``jax.jit``: one program per shape and structure (JAX has no other mode)."""
+            mode: str = "compiled", compiler: str | None = None) -> Callable:
+        """``jax.jit``: one program per shape and structure (JAX has no other mode), its traces
+        counted (:meth:`programs`)."""
+        import functools
+
         import jax
 
+        _no_name(self, compiler)
         if mode != "compiled":
             raise ValueError(f"cacheidx.jit: jax compiles only with static shapes, not {mode!r}")
-        return jax.jit(fn, donate_argnums=tuple(donate_argnums))
+        traces = [0]
+
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            traces[0] += 1  # Python runs only while JAX traces: once per program
+            return fn(*args, **kwargs)
+
+        jitted = jax.jit(traced, donate_argnums=tuple(donate_argnums))
+        jitted.traces = traces
+        return jitted
 
     def checking_env(self, device_label: str) -> dict[str, str]:
         if device_label != "cpu":
@@ -137,7 +149,9 @@ class JaxBackend(Backend):
         return isinstance(x, jax.core.Tracer)
 
     def programs(self, jitted: Callable) -> int | None:
-        return jitted._cache_size()
+        """The programs ``jitted`` (from :meth:`jit`) traced so far: its traces, counted."""
+        traces = getattr(jitted, "traces", None)
+        return None if traces is None else traces[0]
 
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         # a donated buffer is deleted and its memory handed to the result

@@ -25,14 +25,13 @@ from .base import Backend, Node, redirect_dropped
 
 
 class StorePlan(NamedTuple):
-    """A store an index keeps for every layer's pool of ``n`` slots. ``how``: ``"host"`` (the
+    """A store an index's plan keeps for every layer's pool of one size. ``how``: ``"host"`` (the
     kept rows found once on the host: ``take`` the rows kept, ``None`` when all are, and
     ``target`` their slots), ``"device"`` (``target`` the slots as int64, for the
     ``cacheidx::store_rows_`` op, which skips a dropped row itself) or ``"traced"``."""
 
     how: str
     slots: Any
-    n: int
     target: Any = None
     take: Any = None
 
@@ -52,10 +51,8 @@ class ReadPlan(NamedTuple):
 class TorchBackend(Backend):
     name = "torch"
     module = "torch"
-    compiles = True
     donates = True
     modes = ("compiled", "dynamic", "automatic")
-    #: the torch.compile backend ``jit`` uses; the conformance suite sets it per run
     compiler = "inductor"
 
     def namespace(self) -> Any:
@@ -109,15 +106,15 @@ class TorchBackend(Backend):
         import torch
 
         if self.tracing(slots) or _traced(slots):
-            return StorePlan("traced", slots, n)
+            return StorePlan("traced", slots)
         if _on_host(slots):
             keep = inside(slots, n)
             if bool(keep.all()):
-                return StorePlan("host", slots, n, slots.long())
+                return StorePlan("host", slots, slots.long())
             take = torch.nonzero(keep)[:, 0]
-            return StorePlan("host", slots, n, slots.index_select(0, take).long(), take)
+            return StorePlan("host", slots, slots.index_select(0, take).long(), take)
         _define_ops()
-        return StorePlan("device", slots, n, slots.long().contiguous())
+        return StorePlan("device", slots, slots.long().contiguous())
 
     def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
         import torch
@@ -187,8 +184,9 @@ class TorchBackend(Backend):
         return run
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-            mode: str = "compiled") -> Callable:
-        """``torch.compile(fn, fullgraph=True)`` with ``compiler`` as its backend, and shapes
+            mode: str = "compiled", compiler: str | None = None) -> Callable:
+        """``torch.compile(fn, fullgraph=True)`` with ``compiler`` as its backend (inductor
+        when ``None``; ``"aot_eager"``, any name or callable torch.compile takes), and shapes
         static (``mode="compiled"``: one program per shape and structure, never per value),
         symbolic (``"dynamic"``) or static until a shape changes (``"automatic"``, torch's
         default). Donation is torch's default: a compiled step mutates what it is handed, as
@@ -196,7 +194,8 @@ class TorchBackend(Backend):
         import torch
 
         dynamic = {"compiled": False, "dynamic": True, "automatic": None}[mode]
-        return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=dynamic)
+        return torch.compile(fn, backend=compiler or self.compiler, fullgraph=True,
+                             dynamic=dynamic)
 
     @contextlib.contextmanager
     def many_programs(self) -> Iterator[None]:
@@ -237,24 +236,26 @@ class TorchBackend(Backend):
         return {"highest": 23, "high": 10, "medium": 7}[torch.get_float32_matmul_precision()]
 
     def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-                 programs: int = 8) -> Callable:
+                 programs: int = 8, compiler: str | None = None) -> Callable:
         """``jit``, and with inductor ``mode="reduce-overhead"``: on CUDA each shape's program
         is recorded once as a CUDA graph and replayed, reading the arrays given to ``fix`` in
         place (the others are copied into the graph's own buffers each call). Every shape
         bucket is one more program of the same code, so dynamo may keep ``programs`` of them
         (its default is 8, after which it would run eagerly)."""
         import torch
-        import torch._dynamo.config as dynamo
 
-        dynamo.recompile_limit = max(dynamo.recompile_limit, programs)
-        if self.compiler != "inductor":
-            return torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False)
-        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        compiler = compiler or self.compiler
+        if compiler != "inductor":
+            compiled = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False)
+        else:
+            compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
         def step(*args: Any) -> Any:
-            # each call is a new iteration: the previous call's outputs are read already
+            # each call is a new iteration: the previous call's outputs are read already;
+            # room for ``programs`` shapes, for this step's calls alone (never process-wide)
             torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*args)
+            with torch._dynamo.config.patch(recompile_limit=max(8, programs)):
+                return compiled(*args)
 
         step._torchdynamo_orig_callable = fn  # where programs() counts them
         return step

@@ -21,7 +21,7 @@ import pytest
 
 from .. import backends
 from .precision import Precision
-from .suite import COMPILERS, DEFAULT_MODES, MODES, Case, Session
+from .suite import DEFAULT_MODES, MODES, Case, Session, compiler_for
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -86,10 +86,9 @@ def cacheidx_case(request: pytest.FixtureRequest):
     if key not in _sessions:
         _sessions.clear()  # the last backend and mode is done: forget its programs
         backend.forget()
-        if hasattr(backend, "compiler"):
-            backend.compiler = (request.config.getoption("cacheidx_compiler")
-                                or COMPILERS.get(mode, "aot_eager"))
-        _sessions[key] = Session(policy=Precision.named(key[2], backend, device))
+        _sessions[key] = Session(policy=Precision.named(key[2], backend, device),
+                                 compiler=compiler_for(backend, mode, request.config.getoption(
+                                     "cacheidx_compiler")))
     session = _sessions[key]
     with backend.many_programs(), session.policy.applied(backend):
         yield Case(backend, device, mode=mode, session=session)

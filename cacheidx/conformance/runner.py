@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import backends, devices
 from .precision import Precision
-from .suite import COMPILERS, DEFAULT_MODES, LAWS, MODES, Case, Session
+from .suite import DEFAULT_MODES, LAWS, MODES, Case, Session, compiler_for
 
 __all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
 
@@ -101,10 +101,8 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
     out = {"backend": name, "device": device, "version": backend.version(), "modes": {},
            "precision": policy.report(backend, where)}
     for mode in modes:
-        if hasattr(backend, "compiler"):
-            backend.compiler = torch_compiler or COMPILERS.get(mode, "aot_eager")
         backend.forget()
-        session = Session(policy=policy)
+        session = Session(policy=policy, compiler=compiler_for(backend, mode, torch_compiler))
         laws, facts, took = {}, {}, {}
         start, cpu = time.perf_counter(), time.process_time()
         with backend.many_programs(), policy.applied(backend):
@@ -119,7 +117,7 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
                 facts.update(case.facts)
         out["modes"][mode] = {
             "laws": laws, "facts": facts, "law_cpu_seconds": took,
-            "compiler": (getattr(backend, "compiler", "jit") if mode != "eager" else "none"),
+            "compiler": ("none" if mode == "eager" else session.compiler or "jit"),
             "seconds": round(time.perf_counter() - start, 2),
             "cpu_seconds": round(time.process_time() - cpu, 2)}
     return out

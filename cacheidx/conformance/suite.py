@@ -89,12 +89,22 @@ def law(fn: Callable | None = None, *, eager_only: bool = False, compiled_only: 
     return register(fn) if fn is not None else register
 
 
+def compiler_for(backend: backends.Backend, mode: str, named: str | None = None) -> str | None:
+    """The compiler a run in ``mode`` names to ``backend`` (``named``, else the suite's choice
+    for the mode), or ``None`` where the backend's ``jit`` takes no name or the run is eager."""
+    if backend.compiler is None or mode == "eager":
+        return None
+    return named or COMPILERS.get(mode, "aot_eager")
+
+
 @dataclasses.dataclass
 class Session:
     """What the cases of one run (backend, device, mode) share: the compiled steps, the model
     laws' reference outputs and the numerical policy."""
 
     policy: Precision = dataclasses.field(default_factory=Precision.highest)
+    #: the compiler named to the backend's ``jit`` (torch.compile's backend), None: its own
+    compiler: str | None = None
     steps: dict = dataclasses.field(default_factory=dict)
     memo: dict = dataclasses.field(default_factory=dict)
 
@@ -129,7 +139,8 @@ class Case:
         """``fn`` compiled in this case's mode, once per session."""
         jitted = self.session.steps.get(fn)
         if jitted is None:
-            jitted = self.session.steps[fn] = self.backend.jit(fn, mode=self.mode)
+            jitted = self.session.steps[fn] = self.backend.jit(fn, mode=self.mode,
+                                                               compiler=self.session.compiler)
         return jitted
 
     @property

@@ -81,10 +81,12 @@ class Step:
     """Computes a scheduler's batches with ``model`` (see :mod:`cacheidx.serve.model`) on
     ``backend`` and ``device`` (a name :func:`cacheidx.devices.resolve` takes), over pools of
     ``slots`` slots, for ``lanes`` rows and prefill chunks of at most ``chunk`` tokens. With
-    ``groups`` (law 6), ``slots`` is a list of each group's."""
+    ``groups`` (law 6), ``slots`` is a list of each group's. ``compile``: ``True`` for the
+    backend's compiler, or the name of one where the library has several (torch.compile's
+    ``"aot_eager"``, say)."""
 
     def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
-                 compile: bool = False, slots: int | list[int], lanes: int, chunk: int,
+                 compile: bool | str = False, slots: int | list[int], lanes: int, chunk: int,
                  page_size: int, keep_logits: bool = False, shapes: str | None = None,
                  debug: bool = False, groups: Groups | None = None):
         shapes = shapes or ("buckets" if compile else "exact")
@@ -119,7 +121,8 @@ class Step:
             self.weights = tree_map(be.fix, self.weights)
             self.pools = tree_map(be.fix, self.pools)
             most = max(self.bound.values()) if self.bound else 64
-            self._prefill, self._decode = _compiled(model, be, most, groups)
+            self._prefill, self._decode = _compiled(
+                model, be, most, groups, compile if isinstance(compile, str) else None)
         else:
             # eagerly, nothing recorded for differentiation (torch: its fast linear layers)
             self._prefill, self._decode = map(be.inference, _steps(model, self.xp, groups))
@@ -243,17 +246,18 @@ def _same(index: Any) -> Any:
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None
-              ) -> tuple[Any, Any]:
+def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None,
+              compiler: str | None = None) -> tuple[Any, Any]:
     """The model's two steps compiled for ``backend``, once per process (an engine made again
     for the same model finds its programs built), room for ``programs`` shapes each."""
     kept = _PROGRAMS.setdefault(model, {})
-    key = (backend.name, getattr(backend, "compiler", None), groups)
+    key = (backend.name, compiler, groups)
     have = kept.get(key)
     if have is None or have[0] < programs:
         prefill, decode = _steps(model, backend.xp, groups)
-        have = (programs, backend.jit_step(prefill, donate_argnums=(3,), programs=programs),
-                backend.jit_step(decode, donate_argnums=(3,), programs=programs))
+        have = tuple([programs] + [backend.jit_step(step, donate_argnums=(3,), programs=programs,
+                                                    compiler=compiler)
+                                   for step in (prefill, decode)])
         kept[key] = have
     return have[1], have[2]
 
