@@ -204,7 +204,7 @@ class Slow:
 
 def prefixes(cache):
     """The cache's tree as {prefix tuple: readers}."""
-    out, stack = {}, [((), n) for n in cache._root.children.values()]
+    out, stack = {}, [((), n) for n in cache._tree.root.children.values()]
     while stack:
         before, node = stack.pop()
         p = before + tuple(np.frombuffer(node.key, dtype="<i8").tolist())
@@ -297,7 +297,7 @@ def test_matching_walks_only_the_pages_it_matches():
     assert cache.cached == 10_000
     assert cache.match(tokens[:100_000]).tokens == (100_000 - 1) // 16 * 16
     assert cache.match(np.concatenate([[7], tokens[1:100_000]])).tokens == 0
-    assert prefix.lru(cache._root.children[tokens[:16].astype("<i8").tobytes()]) == 1
+    assert prefix.lru(cache._tree.root.children[tokens[:16].astype("<i8").tobytes()]) == 1
 
 
 # -- groups of layers: a sliding group keeps the last window ------------------------------------
@@ -357,12 +357,12 @@ def test_without_full_layers_a_node_goes_with_its_last_page():
     nothing."""
     cache = PrefixCache(3, 1, windows=(2,))
     serve_windowed(cache, [1, 2, 3, 4])
-    assert len(cache._root.children) == 1 and cache.cached == 2
+    assert len(cache._tree.root.children) == 1 and cache.cached == 2
     hold = cache.admit([7, 8, 9], 3, call=2)  # calls of 2 read up to 3 pages at once
     cache.slide(hold, 0, 0)  # the free page
     assert cache.cached == 2 and cache.evictions == 0
     cache.slide(hold, 1, 2)
-    assert cache.cached == 0 and not cache._root.children
+    assert cache.cached == 0 and not cache._tree.root.children
     cache.release(hold)
     cache.check()
     assert cache.free == 3
