@@ -32,10 +32,11 @@ keys.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
+
+from .. import _check as check
 
 __all__ = ["Plan", "plan"]
 
@@ -110,7 +111,9 @@ class Plan:
         ``ValueError`` when ``width`` is shorter than a table.
         """
         need = int(self.npages.max(initial=0))
-        width = need if width is None else _count(width, "width", f"{_WHERE}.tables")
+        if width is not None:
+            width = check.integer("prefix.plan.tables", "width", width)
+        width = need if width is None else width
         if width < need:
             raise ValueError(f"{_WHERE}.tables: width {width} is shorter than a table of {need}")
         n, P = len(self), self.page_size
@@ -134,7 +137,7 @@ def plan(prompts, page_size: int, *, lengths=None, dedupe: bool = False) -> Plan
     array without ``lengths`` or lengths that do not fit; ``TypeError`` for non-integer tokens,
     page size or lengths.
     """
-    P = _count(page_size, "page_size", _WHERE)
+    P = check.integer("prefix.plan", "page_size", page_size)
     if P < 1:
         raise ValueError(f"{_WHERE}: page_size must be >= 1, got {P}")
     prompts, lens = _read(prompts, lengths)
@@ -152,13 +155,6 @@ def plan(prompts, page_size: int, *, lengths=None, dedupe: bool = False) -> Plan
 
 
 # -- reading prompts -----------------------------------------------------------------------
-
-
-def _count(value, name: str, where: str) -> int:
-    """``value`` as a Python int; ``TypeError`` for anything but an integer (bool included)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {name} must be an integer, got {value!r}")
-    return int(value)
 
 
 def _read(prompts, lengths) -> tuple[list[np.ndarray], np.ndarray]:
