@@ -212,15 +212,14 @@ def test_compiled_gives_transformers_greedy_tokens(name, reference, served):
     assert got == want
 
 
-def test_the_compiled_engine_gives_transformers_greedy_tokens(reference, served, monkeypatch):
+def test_the_compiled_engine_gives_transformers_greedy_tokens(reference, served):
     """gpt-oss (sinks, a mixture of experts, alternating windows) served by the engine
     compiled (aot_eager; inductor on a device): one prefill and one decode program, the
     weights and pools at fixed addresses, the same tokens as transformers."""
     model, want = reference("gpt_oss")
     backend = ci.backends.get("torch")
-    monkeypatch.setattr(backend, "compiler", "aot_eager")
-    engine = Engine(served(model), backend="torch", compile=True, shapes="fixed", context=32,
-                    pages=32, page_size=PAGE, lanes=3, chunk=8, clock="steps")
+    engine = Engine(served(model), backend="torch", compile="aot_eager", shapes="fixed",
+                    context=32, pages=32, page_size=PAGE, lanes=3, chunk=8, clock="steps")
     step = engine.executor
     jitted = (step._prefill, step._decode)
     before = [backend.programs(f) for f in jitted]  # (the process's other engines' programs)
@@ -320,13 +319,37 @@ def test_a_window_transformers_passes_against_its_mask_or_training_is_refused():
     assert model.config._attn_implementation == "eager"
 
 
-def test_a_wrapped_model_called_without_an_index_or_off_torch_says_so(served):
+@pytest.mark.parametrize("own", ["eager", "sdpa"])
+def test_a_wrapped_model_called_without_an_index_is_the_models_own(own, served):
+    """Wrapped, Qwen2 (a full and a sliding layer) is set to ``"cacheidx:OWN"``: transformers'
+    own ``generate`` on it, two prompts left padded in one batch, gives exactly the tokens it
+    gives unwrapped (its own attention function and mask). Set to ``"cacheidx"`` by hand, a call
+    without an index raises, naming the layer; off torch the engine says so."""
     model = tiny("qwen2")
+    model.set_attn_implementation(own)
+    batch = torch.tensor([[0, 0, 0, *PROMPTS[1]], PROMPTS[0][:8]])
+    mask = (torch.arange(8) >= torch.tensor([[3], [0]])).long()
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(batch, attention_mask=mask, max_new_tokens=NEW,
+                                  do_sample=False).tolist()
+
+    want = generate()
     wrapped = served(model)
+    assert model.config._attn_implementation == f"cacheidx:{own}"
+    assert generate() == want
+    model.set_attn_implementation(cit.register())
     with pytest.raises(cit.NoIndex, match="layer 0 .*called without cacheidx_index"):
         greedy(model, [1, 2, 3], 2)
     with pytest.raises(ValueError, match="runs on the torch backend, not"):
         Engine(wrapped, backend="numpy", pages=4, page_size=4)
+    wrapped.restore()
+    assert model.config._attn_implementation == own
+    with pytest.raises(RuntimeError, match="attention implementation is '(eager|sdpa)' \\(set "
+                                           "back since it was wrapped\\)"):
+        wrapped.forward(None, torch.tensor([[1]]), ci.rows(1, [1], xp="torch"),
+                        wrapped.pools(None, 1))
 
 
 # -- the serve command --------------------------------------------------------------------------

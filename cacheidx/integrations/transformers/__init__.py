@@ -8,9 +8,11 @@
 transformers passes a decoder's extra forward keywords down to its attention function; the
 function registered here reads the call's cache index and the pools from them and attends
 with ``index.attend`` (:mod:`.attention`), sliding layers under ``index.window(w)``
-(:func:`layer_windows`). :func:`model` wraps a model for :class:`cacheidx.serve.Engine`
-(:mod:`.served`: what it refuses and why); :func:`load` reads a ``save_pretrained`` folder or
-a GGUF file for ``python -m cacheidx.serve --model PATH``.
+(:func:`layer_windows`); a call that passes none gets the model's own attention, so what a
+call computes never hangs on another call, and threads share a model. :func:`model` wraps a
+model for :class:`cacheidx.serve.Engine` (:mod:`.served`: what it refuses and why);
+:func:`load` reads a ``save_pretrained`` folder or a GGUF file for ``python -m cacheidx.serve
+--model PATH``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ _WHERE = "cacheidx.integrations.transformers.generate"
 def model(hf_model: Any) -> TransformersModel:
     """``hf_model`` as a model :class:`cacheidx.serve.Engine` serves on the torch backend (see
     :class:`~.served.TransformersModel` for its laws and what it refuses). Its attention
-    implementation becomes ``"cacheidx"`` (``.restore()`` sets it back)."""
+    implementation becomes ``"cacheidx:OWN"``, which attends through the index only where a
+    call passes one (transformers' own ``generate`` still runs on it); ``.restore()`` sets it
+    back once no other wrapper holds it."""
     return TransformersModel(hf_model)
 
 
@@ -55,7 +59,11 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
     holds one window at least. A prompt stops after
     ``max_new_tokens`` tokens or at an id of :func:`stop_ids` (kept).
 
-    The model's attention implementation is set back when it returns. Raises ``TypeError`` or
+    Any number of threads may call it on one model at once, each getting the tokens it gets
+    alone, and transformers' own ``generate`` runs on the model meanwhile: the model is set to
+    ``"cacheidx:OWN"`` (:func:`~.attention.over`: the index where a call passes one, its own
+    attention otherwise), and the last call to return, raising or not, sets it back to what the
+    first found (:class:`~.served.TransformersModel`, law 3). Raises ``TypeError`` or
     ``ValueError`` naming the prompt for one that is no sequence of ids or that the engine
     cannot serve, and :class:`~.served.TransformersModel`'s errors for a model it cannot."""
     from ... import backends
@@ -72,11 +80,13 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
             raise type(e)(f"{_WHERE}: prompt {k}: {e}") from None
         requests.append(Request(k, **fields))
     served = model(hf_model)
-    if pages is None:  # every prompt's pages; a sliding group's pool holds one window at least
-        pages = Groups.of(served.windows).pools(
-            max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // page_size)
-                       for r in requests)), page_size)
     try:
+        if pages is None and isinstance(page_size, int) and page_size > 0:
+            # every prompt's pages; a sliding group's pool holds a window at least (the engine
+            # names a page_size it cannot take)
+            pages = Groups.of(served.windows).pools(
+                max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // page_size)
+                           for r in requests)), page_size)
         device = backends.get("torch").device_label(next(hf_model.parameters()).device)
         engine = Engine(served, backend="torch", device=engine_options.pop("device", device),
                         pages=pages, page_size=page_size, cache=cache, **engine_options)

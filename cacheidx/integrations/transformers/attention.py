@@ -21,18 +21,33 @@ Laws:
 4. Called without an index (the model called directly, or a forward that drops its keyword
    arguments), it raises :class:`NoIndex`, naming the layer; a window transformers passes that
    disagrees with law 2 raises ``ValueError``: neither is ever computed wrong quietly.
+5. What a call computes follows from what the call passes, never from state that lives for the
+   length of a call: ``"cacheidx:OWN"`` (:func:`register` with ``own``) attends through the
+   index where the call passes one (laws 1 to 4), and is exactly the model's own implementation
+   ``OWN`` (its attention function and its mask) where it passes none. A model left set to it
+   serves cacheidx's calls and transformers' own ``generate`` alike, from any number of threads
+   at once; only inside :data:`REQUIRED` (the wrapper's probe) does a call without an index
+   raise :class:`NoIndex` instead.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["INDEX", "NAME", "POOLS", "NoIndex", "attention", "layer_window", "layer_windows",
-           "register", "text_config"]
+__all__ = ["INDEX", "NAME", "POOLS", "REQUIRED", "NoIndex", "attention", "attends_by_index",
+           "layer_window", "layer_windows", "over", "register", "text_config"]
 
 NAME = "cacheidx"
 #: the forward's keyword arguments the function reads
 INDEX, POOLS = "cacheidx_index", "cacheidx_pools"
+#: true where a call without an index is an error rather than the model's own attention (law 5):
+#: a context's own value, so one thread's probe never touches another thread's calls
+REQUIRED: contextvars.ContextVar[bool] = contextvars.ContextVar("cacheidx_index_required",
+                                                                default=False)
 _KINDS = ("full_attention", "sliding_attention")
 _WHERE = "cacheidx.integrations.transformers"
 
@@ -133,10 +148,73 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
     return out, None
 
 
-def register() -> str:
+def over(own: str) -> Callable[..., tuple[Any, Any]]:
+    """The attention function of ``"cacheidx:own"`` (law 5): :func:`attention` where the call
+    passes an index or pools, else the model's own implementation ``own`` with the arguments
+    it was given (``"eager"``: the eager function of the module's modeling file, which
+    transformers passes as its default; any other: ``AttentionInterface``'s entry). One
+    function for each ``own``, made once."""
+    return _over(own)
+
+
+@functools.cache
+def _over(own: str) -> Callable[..., tuple[Any, Any]]:
+    def dispatched(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                   **kwargs: Any) -> tuple[Any, Any]:
+        if kwargs.get(INDEX) is not None or kwargs.get(POOLS) is not None:
+            return attention(module, query, key, value, attention_mask, **kwargs)
+        if _required():
+            attention(module, query, key, value, attention_mask, **kwargs)  # raises NoIndex
+        return _own(module, own)(module, query, key, value, attention_mask, **kwargs)
+
+    dispatched.__name__ = dispatched.__qualname__ = f"cacheidx_over_{own}"
+    return dispatched
+
+
+def _required() -> bool:
+    import torch
+
+    # (dynamo does not trace a ContextVar; the probe that sets it is never compiled)
+    return not torch.compiler.is_compiling() and REQUIRED.get()
+
+
+def _own(module: Any, own: str) -> Callable[..., Any]:
+    """The function ``module``'s own code calls for the implementation ``own``: the interface's
+    entry, or for ``"eager"`` the default its code passes the interface, its modeling file's
+    ``eager_attention_forward`` (a subclass's own file first)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = next((f for c in type(module).__mro__
+                  if (f := getattr(sys.modules.get(c.__module__), "eager_attention_forward",
+                                   None)) is not None), None)
+    if own == "eager" and eager is None:
+        raise NoIndex(f"{_WHERE}: {type(module).__name__} was called without {INDEX}, and its "
+                      "modeling file has no eager_attention_forward to attend by itself")
+    return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+
+
+def attends_by_index(implementation: Any) -> bool:
+    """Whether a model set to ``implementation`` attends through the index when a call passes
+    one: ``"cacheidx"`` or a ``"cacheidx:OWN"`` (law 5)."""
+    return isinstance(implementation, str) and (implementation == NAME or
+                                                implementation.startswith(NAME + ":"))
+
+
+def register(own: str | None = None) -> str:
     """Registers :func:`attention` in transformers' ``AttentionInterface`` as ``"cacheidx"``
-    (again: the same function) and returns the name."""
-    from transformers import AttentionInterface
+    (again: the same function) and returns the name. With ``own`` (an implementation the model
+    may be set to: ``"eager"``, ``"sdpa"``, ...), also registers ``"cacheidx:own"`` (law 5:
+    :func:`over`, with ``own``'s mask in ``AttentionMaskInterface`` where it has one) and
+    returns that name; an ``own`` that already attends by the index is returned as it is."""
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention)
-    return NAME
+    if own is None or attends_by_index(own):
+        return NAME if own is None else own
+    # (":": transformers reads a name "a/b" with no ":" before the "/" as a hub kernel's)
+    name = f"{NAME}:{own}"
+    AttentionInterface.register(name, over(own))
+    masks = AttentionMaskInterface()
+    if own in masks:  # (else transformers builds no mask for own, nor for name)
+        AttentionMaskInterface.register(name, masks[own])
+    return name

@@ -4,8 +4,9 @@ through the index with the ``"cacheidx"`` attention function (:mod:`.attention`)
 Laws:
 
 1. ``forward(weights, tokens, index, pools)`` is one call of the transformers model: its tokens,
-   the index's positions as ``position_ids``, no transformers cache, the last token's logits
-   only; every layer attends over its own pools (``[slots, kv_heads, head_dim]``, the model's
+   the index's positions as ``position_ids``, no transformers cache and no mask built (a 4D
+   placeholder transformers takes as prepared, never read), the last token's logits only;
+   every layer attends over its own pools (``[slots, kv_heads, head_dim]``, the model's
    dtype, one key and one value pool a layer) and the pools it wrote come back. ``index`` is
    the index every layer reads, or a list of each layer's (the engine's table of the layer's
    group, ``cacheidx.serve.groups``); ``slots`` of :meth:`~TransformersModel.pools` a number
@@ -16,12 +17,20 @@ Laws:
    than full and sliding attention, and a forward that does not pass its keyword arguments
    down to its attention function or attends outside transformers' ``AttentionInterface``
    (found by one token's call through a one-slot pool).
-3. Wrapping sets the model's attention implementation to ``"cacheidx"``; transformers' own
-   ``generate`` on it then raises (:class:`~.attention.NoIndex`) until it is set back.
+3. A wrapped model is set to ``"cacheidx:OWN"``, ``OWN`` the implementation it had
+   (:func:`~.attention.over`): a call that passes an index attends through it, any other call
+   is the model's own (transformers' ``generate`` runs on it unchanged), so the setting holds
+   no call's state and any number of wrappers, engines and threads share one model. Wrappers
+   of one model share one hold: the first sets the model, the last to :meth:`restore` sets it
+   back to what the first found; a model already set to ``"cacheidx"`` or ``"cacheidx:OWN"``
+   is left so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import weakref
 from typing import Any
 
 from . import attention as attn  # the module (the package exports no function by that name)
@@ -29,6 +38,19 @@ from . import attention as attn  # the module (the package exports no function b
 __all__ = ["TransformersModel", "shape_of"]
 
 _WHERE = "cacheidx.integrations.transformers.model"  # (the function users call)
+_HOLDING = threading.Lock()  # taking and giving back a hold: never held during a call
+
+
+@dataclasses.dataclass
+class _Hold:
+    """A wrapped model's implementation before its first wrapper, and how many hold it."""
+
+    previous: Any
+    wrappers: int = 0
+
+
+#: each wrapped model's hold (law 3); a model that goes away takes its entry with it
+_HOLDS: weakref.WeakKeyDictionary[Any, _Hold] = weakref.WeakKeyDictionary()
 
 
 def shape_of(config: Any) -> tuple[int, int, int]:
@@ -65,12 +87,35 @@ class TransformersModel:
         config = attn.text_config(hf_model.config)
         self.vocab = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
-        self.previous = hf_model.config._attn_implementation
-        hf_model.set_attn_implementation(attn.register())
-        if hf_model.config._attn_implementation != attn.NAME:
-            raise ValueError(f"{_WHERE}: {self.name} cannot set its attention implementation "
-                             "(it does not attend through transformers' AttentionInterface)")
-        self._probe()
+        self._held = False
+        #: the model's attention implementation before its first wrapper (law 3)
+        self.previous = self._hold()
+        try:
+            self._probe()
+        except BaseException:
+            self.restore()
+            raise
+
+    def _hold(self) -> Any:
+        """Takes a hold on the model (law 3), setting it to ``"cacheidx:OWN"`` where none held
+        it; returns what it was before the first hold."""
+        hf = self.hf
+        with _HOLDING:
+            hold = _HOLDS.get(hf)
+            if hold is None:
+                previous = hf.config._attn_implementation
+                name = attn.register(previous)
+                if name != previous:
+                    hf.set_attn_implementation(name)
+                if hf.config._attn_implementation != name:
+                    hf.set_attn_implementation(previous)  # (sub-configs it may have set)
+                    raise ValueError(f"{_WHERE}: {self.name} cannot set its attention "
+                                     "implementation (it does not attend through "
+                                     "transformers' AttentionInterface)")
+                hold = _HOLDS[hf] = _Hold(previous)
+            hold.wrappers += 1
+            self._held = True
+            return hold.previous
 
     def place(self, xp: Any, device: Any) -> Any:
         """The model moved to ``device``; its parameters (what a compiled step keeps at one
@@ -102,16 +147,41 @@ class TransformersModel:
         """``(logits [batch, vocab], pools)``: law 1."""
         import torch
 
+        now = self.hf.config._attn_implementation
+        if not attn.attends_by_index(now):  # the model's own attention would drop the index
+            raise RuntimeError(f"{_WHERE}: {self.name}'s attention implementation is {now!r} "
+                               "(set back since it was wrapped), so it would not attend "
+                               f"through the index: wrap it again with {_WHERE}")
         written = list(pools)
         first = index[0] if isinstance(index, list) else index
+        # transformers takes a 4D mask as prepared and builds none (the index is the mask;
+        # zeros: were a layer to add it after all, it would change nothing)
+        unread = torch.zeros((1, 1, 1, 1), device=tokens.device)
         with torch.no_grad():  # compiled too: pools that required grad would be a new program
-            out = self.hf(input_ids=tokens, position_ids=first.positions(), use_cache=False,
-                          logits_to_keep=1, **{attn.INDEX: index, attn.POOLS: written})
+            out = self.hf(input_ids=tokens, attention_mask=unread, position_ids=first.positions(),
+                          use_cache=False, logits_to_keep=1,
+                          **{attn.INDEX: index, attn.POOLS: written})
         return out.logits[:, -1, :], written
 
     def restore(self) -> None:
-        """Sets the model's attention implementation back to what it was before (law 3)."""
-        self.hf.set_attn_implementation(self.previous)
+        """Gives this wrapper's hold back (law 3). The last hold given back, or none left at
+        all, sets the model's attention implementation back to :attr:`previous` where it
+        attends by the index (an implementation set since by hand is kept). Again: the
+        same."""
+        hf = self.hf
+        with _HOLDING:
+            if self._held:
+                self._held = False
+                hold = _HOLDS[hf]
+                hold.wrappers -= 1
+                if hold.wrappers:
+                    return
+                del _HOLDS[hf]
+            elif hf in _HOLDS:  # other wrappers hold it: theirs to give back
+                return
+            now = hf.config._attn_implementation
+            if attn.attends_by_index(now) and now != self.previous:
+                hf.set_attn_implementation(self.previous)
 
     def _probe(self) -> None:
         """One token through a one-slot pool a layer: every layer's attention must get the
@@ -124,19 +194,17 @@ class TransformersModel:
         pools = self.pools(None, 1)
         index = ci.rows(1, [1], xp="torch", device=device)
         tokens = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        required = attn.REQUIRED.set(True)  # a layer called without the index raises
         try:
             _, written = self.forward(None, tokens, index, pools)
             missing = [i for i in range(self.layers) if written[i] is pools[i]]
         except attn.NoIndex:
-            self.restore()
             raise ValueError(f"{_WHERE}: {self.name}'s forward does not pass its keyword "
                              "arguments down to its attention function, so no layer gets "
                              "the cache index") from None
-        except BaseException:
-            self.restore()
-            raise
+        finally:
+            attn.REQUIRED.reset(required)
         if missing:
-            self.restore()
             raise ValueError(f"{_WHERE}: layers {missing} of {self.name} never called the "
                              f"attention function {attn.NAME!r}: they attend outside "
                              "transformers' AttentionInterface")
