@@ -139,6 +139,14 @@ class Backend:
         use a faster kernel for it."""
         return a @ b
 
+    def named(self, compiler: str | None) -> str | None:
+        """The compiler ``jit`` uses for ``compiler`` (:attr:`compiler` when ``None``); raises
+        where the library has one compiler, which takes no name."""
+        if compiler is not None and self.compiler is None:
+            raise ValueError(f"cacheidx.jit: {self.name} has one compiler, which takes no "
+                             f"name; got compiler={compiler!r}")
+        return compiler or self.compiler
+
     def inference(self, fn: Callable) -> Callable:
         """``fn`` run eagerly with nothing recorded for differentiation (a serving step never
         needs it), where the library records by default; ``fn`` itself elsewhere."""
@@ -149,7 +157,7 @@ class Backend:
         """Compile ``fn`` where the library has a compiler (in one of its ``modes``, with the
         named ``compiler`` where it has several: :attr:`compiler` when ``None``); eager where
         it has none."""
-        _no_name(self, compiler)
+        self.named(compiler)
         return fn
 
     @contextlib.contextmanager
@@ -258,12 +266,6 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<cacheidx backend {self.name}>"
-
-
-def _no_name(backend: Backend, compiler: str | None) -> None:
-    if compiler is not None and backend.compiler is None:
-        raise ValueError(f"cacheidx.jit: {backend.name} has one compiler, which takes no name; "
-                         f"got compiler={compiler!r}")
 
 
 def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any) -> tuple[Any, Any]:

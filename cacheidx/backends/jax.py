@@ -15,7 +15,7 @@ from functools import cache
 from typing import Any
 
 from ..laws import inside
-from .base import Backend, Node, _no_name
+from .base import Backend, Node
 
 
 class JaxBackend(Backend):
@@ -62,7 +62,7 @@ class JaxBackend(Backend):
 
         import jax
 
-        _no_name(self, compiler)
+        self.named(compiler)
         if mode != "compiled":
             raise ValueError(f"cacheidx.jit: jax compiles only with static shapes, not {mode!r}")
         traces = [0]

@@ -312,10 +312,8 @@ class TorchBackend(Backend):
 
     def forget(self) -> None:
         import torch
-        from torch._dynamo.utils import counters
 
-        torch._dynamo.reset()
-        counters.clear()
+        torch.compiler.reset()
 
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after.data_ptr() == before.data_ptr()
