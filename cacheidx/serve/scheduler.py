@@ -2,14 +2,16 @@
 where they sit. No arrays of a framework here: a call is a :class:`Batch` of NumPy arrays, and
 whatever computes it (``cacheidx.serve.step``, or a simulation) hands back one token per lane.
 
-Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
+The scheduler joins four rooms, each a module stating its own laws: :mod:`.admission` (who
+may run), :mod:`.tables` (where the running requests' positions sit), :mod:`.batches` (what a
+call computes) and :mod:`.statistics` (what is counted). Laws, for a
+:class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 
 1. A request is admitted, oldest first, while a row of the table is free and the cache can
    give it pages for its prompt and ``max_new_tokens - 1`` more positions (the last token is
-   never fed back); it reads its cached prefix and computes the rest. A request that the
-   whole pool could not hold, longer than ``context`` tokens where that is given or than
-   the model's ``longest``, or holding a token id at or past the model's ``vocab``, fails at
-   once, with the reason in its result.
+   never fed back); it reads its cached prefix and computes the rest. A request the engine
+   can never serve (the admission's law 1: the whole pool, ``context``, the model's
+   ``longest`` or ``vocab``) fails at once, with the reason in its result.
 2. With the cache on, a request waits while a request still computing its prompt will
    cache pages it could read (more whole pages in common than the cache holds now): a
    prefix is computed once, then read, however the requests arrive.
@@ -35,66 +37,35 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-
 import numpy as np
 
-from ..prefix.cache import Hold, PrefixCache
-from ..prefix.reach import first_page, hit_pages, largest_call
+from ..prefix.cache import PrefixCache
+from ..prefix.reach import largest_call
+from . import batches
+from .admission import Admission
+from .batches import Batch, Lane
 from .requests import Request, Result
+from .statistics import Statistics
+from .tables import SlotTables
 
 __all__ = ["Batch", "Lane", "Scheduler"]
 
 
-@dataclasses.dataclass(eq=False)
-class Lane:
-    """A running request: its pages, its row of the table, how much of its prompt is
-    computed (``done``, its cached tokens at first)."""
-
-    request: Request
-    result: Result
-    hold: Hold
-    row: int
-    done: int
-    data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
-
-    @property
-    def prefilling(self) -> bool:
-        return self.done < len(self.request.prompt)
-
-    @property
-    def position(self) -> int:
-        """The position of the token a decode call feeds: its last generated one."""
-        return len(self.request.prompt) + len(self.result.tokens) - 1
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Batch:
-    """One call: lane ``b`` is the request in row ``rows[b]`` of the table, computing
-    ``tokens[b]`` at positions ``pos[b]`` (-1 for left padding). ``columns`` is how many
-    columns of the table the call reads. ``follows``: a decode call over the same lanes as
-    the previous decode call, each one token on, fed the tokens that call chose."""
-
-    kind: str  #: "prefill" or "decode"
-    lanes: tuple[Lane, ...]
-    rows: np.ndarray
-    pos: np.ndarray
-    tokens: np.ndarray
-    columns: int
-    follows: bool = False
-
-    def alone(self, b: int) -> Batch:
-        """The call of lane ``b`` alone, fed from the host."""
-        pos = self.pos[b : b + 1]
-        return Batch(self.kind, (self.lanes[b],), self.rows[b : b + 1], pos,
-                     self.tokens[b : b + 1], int(pos.max()) + 1)
+def _part(part: str, name: str) -> property:
+    """A read-only attribute of the scheduler: ``name`` of the room ``part`` that holds it."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    doc=f"The scheduler's ``{part}.{name}``.")
 
 
 class Scheduler:
     """Admission, calls and bookkeeping over ``cache`` for at most ``lanes`` requests at once
     (see the module's laws). ``reuse=False`` never reads nor fills the cache: every prompt
-    is computed whole."""
+    is computed whole.
+
+    Its rooms: ``admission`` (:class:`~cacheidx.serve.admission.Admission`), ``slots``
+    (:class:`~cacheidx.serve.tables.SlotTables`), ``stats``
+    (:class:`~cacheidx.serve.statistics.Statistics`); their counts and tables read through
+    the scheduler's own names too (``tables``, ``version``, ``computed_tokens``, ...)."""
 
     def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
                  context: int | None = None, vocab: int | None = None,
@@ -103,12 +74,9 @@ class Scheduler:
             raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
                              f"positive, got {lanes}, {chunk} and {context}")
         self.cache, self.lanes, self.reuse = cache, lanes, reuse
-        self.context = context
-        self.vocab, self.longest = vocab, longest  #: the model's limits, where it says them
         self.P = cache.page_size
         self.windows = cache.windows  #: each group's window (law 5)
         self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
-        self._full = self.windows.index(None) if None in self.windows else None
         fits = {g: largest_call(self.windows[g], cache.group(g).capacity, self.P)
                 for g in self._sliding}
         for g, fit in fits.items():
@@ -117,56 +85,50 @@ class Scheduler:
                                  f"{self.windows[g]} has {cache.group(g).capacity} pages of "
                                  f"{self.P} tokens, fewer than one window reads")
         self.chunk = min([chunk, *fits.values()])  #: prompt tokens a call computes at most
-        #: per group, [lanes, width] slots of each row's positions, -1 where none: a power of
-        #: two of pages, as wide as ``context`` from the start where given, else doubled
-        pages = 1 if context is None else cache.pages_for(context)
-        width = (1 << (pages - 1).bit_length()) * self.P
-        self.tables = [np.full((lanes, width), -1, dtype=np.int64) for _ in self.windows]
-        self.version = 0  #: bumped whenever a table changes
-        self.versions = [0] * len(self.windows)  #: the same, per group
-        self.peaks = [0] * len(self.windows)  #: the most pages in use at once, per group
-        self.waiting: collections.deque[Result] = collections.deque()
-        self._requests: dict[int, Request] = {}
+        self.admission = Admission(cache, chunk=self.chunk, context=context, vocab=vocab,
+                                   longest=longest)
+        # as wide as ``context`` from the start where given, so the table never grows
+        self.slots = SlotTables(len(self.windows), lanes, self.P,
+                                1 if context is None else cache.pages_for(context))
+        self.stats = Statistics(self.windows)
         self.running: list[Lane] = []
-        self._rows = list(range(lanes - 1, -1, -1))
         self._last_decode: tuple[Lane, ...] = ()
-        self.rounds = 0  #: steps that admitted some request
-        self.peak = 0  #: the most pages running requests held at once
-        self.peak_used = 0  #: the most pages not free at once (an unbounded pool's need)
-        self.prompt_tokens = self.computed_tokens = self.cached_tokens = 0
-        self.generated_tokens = self.failed = self.served = 0
+
+    context = _part("admission", "context")
+    vocab = _part("admission", "vocab")  #: the model's limits, where it says them
+    longest = _part("admission", "longest")
+    tables = _part("slots", "tables")
+    version = _part("slots", "version")
+    versions = _part("slots", "versions")
+    rounds = _part("stats", "rounds")
+    peak = _part("stats", "peak")
+    peak_used = _part("stats", "peak_used")
+    peaks = _part("stats", "peaks")
+    prompt_tokens = _part("stats", "prompt_tokens")
+    computed_tokens = _part("stats", "computed_tokens")
+    cached_tokens = _part("stats", "cached_tokens")
+    generated_tokens = _part("stats", "generated_tokens")
+    failed = _part("stats", "failed")
+    served = _part("stats", "served")
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.admission) or self.running)
+
+    @property
+    def waiting(self) -> tuple[Result, ...]:
+        """The results of the waiting requests, oldest first."""
+        return tuple(result for _, _, result in self.admission.waiting())
 
     @property
     def table(self) -> np.ndarray:
         """The first group's table (the only one without groups)."""
-        return self.tables[0]
+        return self.slots.tables[0]
 
     # -- law 1: submission and admission ------------------------------------------------------
     def refusal(self, request: Request) -> str | None:
         """Why this engine can never serve ``request`` (law 1), or ``None``."""
-        total = len(request.prompt) + request.max_new_tokens - 1
-        need = self.cache.pages_for(total)
-        what = (f"({len(request.prompt)} prompt tokens and up to {request.max_new_tokens} new "
-                f"ones)")
-        if self.vocab is not None and max(request.prompt) >= self.vocab:
-            at = next(k for k, t in enumerate(request.prompt) if t >= self.vocab)
-            return (f"request {request.id!r} holds token id {request.prompt[at]} at prompt "
-                    f"position {at}; the model's vocabulary is ids 0 to {self.vocab - 1}")
-        if self._full is not None and need > self.cache.group(self._full).capacity:
-            pool = "pool" if len(self.windows) == 1 else "pool of the full layers"
-            return (f"request {request.id!r} needs {need} pages of {self.P} tokens {what}; the "
-                    f"{pool} has {self.cache.group(self._full).capacity}")
-        if self.context is not None and total > self.context:
-            return (f"request {request.id!r} holds {total} tokens {what}; the engine's context "
-                    f"is {self.context}")
-        if self.longest is not None and total > self.longest:
-            return (f"request {request.id!r} holds {total} tokens {what}; the model's context "
-                    f"is {self.longest}")
-        return None
+        return self.admission.refusal(request)
 
     def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
         """Queues ``request``; returns its failed result at once if the engine can never
@@ -175,10 +137,9 @@ class Scheduler:
         result.error = self.refusal(request)
         if result.error is not None:
             result.finished = now
-            self.failed += 1
+            self.stats.failed += 1
             return result
-        self._requests[id(result)] = request
-        self.waiting.append(result)
+        self.admission.queue(request, result)
         return None
 
     def admit(self, now: float) -> list[Lane]:
@@ -186,106 +147,46 @@ class Scheduler:
         those law 2 holds back."""
         admitted: list[Lane] = []
         computing = [lane for lane in self.running if lane.prefilling]
-        for result in list(self.waiting):
-            if not self._rows:
+        for number, request, result in self.admission.waiting():
+            if not self.slots.free:
                 break
-            request = self._requests[id(result)]
             data = np.asarray(request.prompt, dtype=np.int64)
-            if self.reuse and self._held_back(data, computing):
+            if self.reuse and self.admission.held_back(data, computing):
                 continue
             total = len(data) + request.max_new_tokens - 1
             hold = self.cache.admit(data, total, reuse=self.reuse,  # submit checked the size
                                     call=self.chunk)
             if hold is None:
                 break  # the oldest request that fits nowhere yet waits; so do the younger
-            self.waiting.remove(result)
-            del self._requests[id(result)]
-            lane = Lane(request, result, hold, self._rows.pop(), hold.cached, data)
+            self.admission.take(number)
+            lane = Lane(request, result, hold, self.slots.take(), hold.cached, data)
             self._place(lane)
             result.admitted = now
             result.cached_tokens = hold.cached
-            self.cached_tokens += hold.cached
-            self.prompt_tokens += len(data)
+            self.stats.cached_tokens += hold.cached
+            self.stats.prompt_tokens += len(data)
             self.running.append(lane)
             computing.append(lane)
             admitted.append(lane)
         if admitted:
-            self.rounds += 1
-            self._used()
+            self.stats.rounds += 1
+            self.stats.used(self.cache)
         return admitted
 
-    def _held_back(self, data: np.ndarray, computing: list[Lane]) -> bool:
-        """Law 2: a request computing its prompt will cache more of this one's pages than the
-        cache holds now."""
-        if not computing:
-            return False
-        cached = self.cache.match(data).tokens // self.P
-        most = (len(data) - 1) // self.P
-        if cached >= most:
-            return False
-        for lane in computing:
-            other = lane.data
-            upto = min(most, len(other) // self.P) * self.P
-            if upto <= cached * self.P:
-                continue
-            differ = np.flatnonzero(data[:upto] != other[:upto])
-            same = int(differ[0]) if differ.size else upto
-            depth = same // self.P
-            if depth > cached and (self._keeps(lane, depth)
-                                   or self.cache.keep(lane.hold, depth)):
-                return True
-        return False
-
-    def _keeps(self, lane: Lane, depth: int) -> bool:
-        """Law 5: whether ``lane``, computing its prompt, will cache the windows a hit at
-        ``depth`` pages needs: those from the reach of its last chunk on."""
-        if not self._sliding:
-            return True
-        n = len(lane.data)
-        last = n - ((n - lane.done - 1) % self.chunk + 1)  # where its last chunk starts
-        end = max(0, n // self.P - 1)  # insert keeps a hit's window at its end, or one short
-        return all(hit_pages(w, depth, self.P).start
-                   >= max(first_page(w, last, self.P), hit_pages(w, end, self.P).start)
-                   for w in (self.windows[g] for g in self._sliding))
-
     def _place(self, lane: Lane) -> None:
-        size = len(lane.hold.pages) * self.P
-        if size > self.table.shape[1]:
-            width = self.table.shape[1]
-            while width < size:
-                width *= 2
-            for g, table in enumerate(self.tables):
-                grown = np.full((self.lanes, width), -1, dtype=np.int64)
-                grown[:, : table.shape[1]] = table
-                self.tables[g] = grown
-        tables = lane.hold.tables or [lane.hold.pages]
-        for g, table in enumerate(self.tables):
-            pages = np.asarray(tables[g], dtype=np.int64)
-            slots = pages[:, None] * self.P + np.arange(self.P)
-            table[lane.row] = -1
-            table[lane.row, :size] = np.where(pages[:, None] >= 0, slots, -1).reshape(-1)
-            self.versions[g] += 1
-        self.version += 1
+        self.slots.place(lane.row, lane.hold.tables or [lane.hold.pages])
 
     def _slide(self, lanes: tuple[Lane, ...], pos: np.ndarray) -> None:
         """Law 5: before a call of ``lanes`` at positions ``pos`` (-1: padding), each sliding
         group's rows give back the pages below the call's reach and take its positions'."""
         if not self._sliding:
             return
-        P, span = self.P, np.arange(self.P)
         for lane, p in zip(lanes, pos):
             fed = p[p >= 0]
             for g, low, new_low, top, new_top in self.cache.slide(lane.hold, int(fed[0]),
                                                                    int(fed[-1])):
-                table = self.tables[g]
-                table[lane.row, low * P : new_low * P] = -1
-                start = max(top, new_low)
-                pages = np.asarray(lane.hold.tables[g][start:new_top], dtype=np.int64)
-                table[lane.row, start * P : new_top * P] = (pages[:, None] * P
-                                                            + span).reshape(-1)
-                self.versions[g] += 1
-                self.version += 1
-        self._used()
+                self.slots.slide(lane.row, g, low, new_low, top, new_top, lane.hold.tables[g])
+        self.stats.used(self.cache)
 
     # -- law 3: the calls ---------------------------------------------------------------------
     def prefill(self) -> Batch | None:
@@ -293,17 +194,9 @@ class Scheduler:
         lanes = tuple(lane for lane in self.running if lane.prefilling)
         if not lanes:
             return None
-        counts = [min(self.chunk, len(lane.data) - lane.done) for lane in lanes]
-        seq = max(counts)
-        pos = np.full((len(lanes), seq), -1, dtype=np.int64)
-        tokens = np.zeros((len(lanes), seq), dtype=np.int64)
-        for b, (lane, n) in enumerate(zip(lanes, counts)):
-            pos[b, seq - n :] = np.arange(lane.done, lane.done + n)
-            tokens[b, seq - n :] = lane.data[lane.done : lane.done + n]
-        rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
-        columns = max(lane.done + n for lane, n in zip(lanes, counts))
-        self._slide(lanes, pos)
-        return Batch("prefill", lanes, rows, pos, tokens, columns)
+        batch = batches.prefill(lanes, self.chunk)
+        self._slide(lanes, batch.pos)
+        return batch
 
     def decode(self) -> Batch | None:
         """The decode call: every running request past its prompt, fed its last token."""
@@ -311,13 +204,13 @@ class Scheduler:
         if not lanes:
             self._last_decode = ()
             return None
-        pos = np.asarray([[lane.position] for lane in lanes], dtype=np.int64)
-        tokens = np.asarray([[lane.result.tokens[-1]] for lane in lanes], dtype=np.int64)
-        rows = np.asarray([lane.row for lane in lanes], dtype=np.int64)
+        # the same Lane objects (one per admission), not the same rows: a row freed and
+        # taken again between two calls holds another request
         follows = lanes == self._last_decode
         self._last_decode = lanes
-        self._slide(lanes, pos)
-        return Batch("decode", lanes, rows, pos, tokens, int(pos.max()) + 1, follows)
+        batch = batches.decode(lanes, follows)
+        self._slide(lanes, batch.pos)
+        return batch
 
     # -- law 4: what a call's tokens do -------------------------------------------------------
     def after(self, batch: Batch, chosen: np.ndarray, logits: np.ndarray | None,
@@ -330,7 +223,7 @@ class Scheduler:
                 n = int((batch.pos[b] >= 0).sum())
                 lane.done += n
                 lane.result.computed_tokens += n
-                self.computed_tokens += n
+                self.stats.computed_tokens += n
                 if lane.prefilling:
                     continue
                 lane.result.first_token = now
@@ -340,7 +233,7 @@ class Scheduler:
             lane.result.tokens.append(token)
             if logits is not None:
                 lane.result.last_logits = np.asarray(logits[b], dtype=np.float32)
-            self.generated_tokens += 1
+            self.stats.generated_tokens += 1
             if token in lane.request.stop or len(lane.result.tokens) >= lane.request.max_new_tokens:
                 finished.append(self._finish(lane, now))
         return finished
@@ -352,19 +245,12 @@ class Scheduler:
         self.cache.release(lane.hold)
         self._clear(lane, now)
         lane.result.error = error
-        self.failed += 1
+        self.stats.failed += 1
         return lane.result
 
     def fed_from_host(self) -> None:
         """The next decode call is fed from the host, never from a call that may have failed."""
         self._last_decode = ()
-
-    def _used(self) -> None:
-        self.peak = max(self.peak, self.cache.in_use)
-        self.peak_used = max(self.peak_used, self.cache.capacity - self.cache.free)
-        if len(self.windows) > 1 or self._sliding:
-            for g in range(len(self.windows)):
-                self.peaks[g] = max(self.peaks[g], self.cache.group(g).in_use)
 
     def _finish(self, lane: Lane, now: float) -> Result:
         if self.reuse:  # the pages filled while decoding: every token but the last is written
@@ -372,43 +258,16 @@ class Scheduler:
             self.cache.insert(lane.hold, written)
         self.cache.release(lane.hold)
         self._clear(lane, now)
-        self.served += 1
+        self.stats.served += 1
         return lane.result
 
     def _clear(self, lane: Lane, now: float) -> None:
         """The lane's request stops running: its row is free again."""
-        self._used()
+        self.stats.used(self.cache)
         self.running.remove(lane)
-        for g, table in enumerate(self.tables):
-            table[lane.row] = -1
-            self.versions[g] += 1
-        self.version += 1
-        self._rows.append(lane.row)
+        self.slots.clear(lane.row)
         lane.result.finished = now
 
     def figures(self) -> dict:
         """Tokens and pages so far (with groups, also each group's pages: ``"groups"``)."""
-        prompt = self.prompt_tokens
-        out = {
-            "requests": self.served + self.failed,
-            "failed": self.failed,
-            "prompt_tokens": prompt,
-            "computed_tokens": self.computed_tokens,
-            "cached_tokens": self.cached_tokens,
-            "hit_rate": round(self.cached_tokens / prompt, 4) if prompt else 0.0,
-            "generated_tokens": self.generated_tokens,
-            "pages": self.cache.capacity,
-            "page_size": self.P,
-            "peak_pages_in_use": self.peak,
-            "peak_pages_used": self.peak_used,
-            "pages_cached": self.cache.cached,
-            "evictions": self.cache.evictions,
-            "admission_rounds": self.rounds,
-            "chunk": self.chunk,
-        }
-        if len(self.windows) > 1 or self._sliding:
-            out["groups"] = [{"window": w, "pages": self.cache.group(g).capacity,
-                              "peak_pages_in_use": self.peaks[g],
-                              "pages_cached": self.cache.group(g).cached}
-                             for g, w in enumerate(self.windows)]
-        return out
+        return self.stats.figures(self.cache, self.chunk)

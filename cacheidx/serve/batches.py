@@ -1,0 +1,97 @@
+"""What one call of the engine computes: the running requests (:class:`Lane`) and the call
+made of them (:class:`Batch`), NumPy arrays on the host that whatever computes the call
+(``cacheidx.serve.step``, or a simulation) reads.
+
+Laws, for lanes in the scheduler's running order:
+
+1. A prefill call (:func:`prefill`) is every lane still in its prompt, each computing its
+   next ``min(chunk, tokens left)`` prompt tokens, left padded to the longest (position -1,
+   token 0); it reads as many columns as its furthest token's position plus one.
+2. A decode call (:func:`decode`) is every lane past its prompt, each fed its last generated
+   token at that token's position (:attr:`Lane.position`); it reads as many columns as its
+   furthest position plus one.
+3. Lane ``b`` of a call is the request in row ``rows[b]`` of the scheduler's tables
+   (:mod:`cacheidx.serve.tables`); :meth:`Batch.alone` is lane ``b``'s call by itself, fed
+   from the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..prefix.cache import Hold
+from .requests import Request, Result
+
+__all__ = ["Batch", "Lane", "decode", "prefill"]
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """A running request: its pages, its row of the table, how much of its prompt is
+    computed (``done``, its cached tokens at first)."""
+
+    request: Request
+    result: Result
+    hold: Hold
+    row: int
+    done: int
+    data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.request.prompt)
+
+    @property
+    def position(self) -> int:
+        """The position of the token a decode call feeds: its last generated one."""
+        return len(self.request.prompt) + len(self.result.tokens) - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batch:
+    """One call: lane ``b`` is the request in row ``rows[b]`` of the table, computing
+    ``tokens[b]`` at positions ``pos[b]`` (-1 for left padding). ``columns`` is how many
+    columns of the table the call reads. ``follows``: a decode call over the same lanes as
+    the previous decode call, each one token on, fed the tokens that call chose."""
+
+    kind: str  #: "prefill" or "decode"
+    lanes: tuple[Lane, ...]
+    rows: np.ndarray
+    pos: np.ndarray
+    tokens: np.ndarray
+    columns: int
+    follows: bool = False
+
+    def alone(self, b: int) -> Batch:
+        """The call of lane ``b`` alone, fed from the host."""
+        pos = self.pos[b : b + 1]
+        return Batch(self.kind, (self.lanes[b],), self.rows[b : b + 1], pos,
+                     self.tokens[b : b + 1], int(pos.max()) + 1)
+
+
+def _rows(lanes: tuple[Lane, ...]) -> np.ndarray:
+    return np.asarray([lane.row for lane in lanes], dtype=np.int64)
+
+
+def prefill(lanes: tuple[Lane, ...], chunk: int) -> Batch:
+    """Law 1: the prefill call of ``lanes`` (each still in its prompt), ``chunk`` tokens
+    each at most."""
+    counts = [min(chunk, len(lane.data) - lane.done) for lane in lanes]
+    seq = max(counts)
+    pos = np.full((len(lanes), seq), -1, dtype=np.int64)
+    tokens = np.zeros((len(lanes), seq), dtype=np.int64)
+    for b, (lane, n) in enumerate(zip(lanes, counts)):
+        pos[b, seq - n :] = np.arange(lane.done, lane.done + n)
+        tokens[b, seq - n :] = lane.data[lane.done : lane.done + n]
+    columns = max(lane.done + n for lane, n in zip(lanes, counts))
+    return Batch("prefill", lanes, _rows(lanes), pos, tokens, columns)
+
+
+def decode(lanes: tuple[Lane, ...], follows: bool) -> Batch:
+    """Law 2: the decode call of ``lanes`` (each past its prompt); ``follows`` as
+    :class:`Batch` says."""
+    pos = np.asarray([[lane.position] for lane in lanes], dtype=np.int64)
+    tokens = np.asarray([[lane.result.tokens[-1]] for lane in lanes], dtype=np.int64)
+    return Batch("decode", lanes, _rows(lanes), pos, tokens, int(pos.max()) + 1, follows)
