@@ -1,4 +1,5 @@
-"""Eagerly, where each lane's slots form runs: the pools read as views, never copied.
+"""Eagerly, where each lane's slots form runs: the pools read as views, never copied (attention's
+law 6, by views; its law 2 by each block's own mask: :mod:`cacheidx.attention`).
 
 ``rows`` gives a lane one run of slots and a paged table one run per page, often longer when
 pages were taken in order. Where every column some token of a lane sees names a slot inside

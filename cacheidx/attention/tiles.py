@@ -1,4 +1,5 @@
-"""The columns a call attends over, a tile at a time, read where they are.
+"""The columns a call attends over, a tile at a time, read where they are (attention's laws 3,
+5 and 6: :mod:`cacheidx.attention`).
 
 A tile is ``(keys, values, mask)``: the keys and values of ``T`` consecutive columns of
 ``extend``'s seen, exactly as ``extend`` reads them (a column no token of the lane sees, an
