@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,24 +62,56 @@ def worker(args: argparse.Namespace) -> None:
         out["reduce_s"] = (time.perf_counter() - t0) / n
         np.testing.assert_allclose(y.numpy(), args.k)
     if group is None or group.lead:
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
+    if group is not None and args.backend == "torch":
+        # a process group left to the interpreter's exit can abort the rank (SIGABRT, "terminate
+        # called without an active exception": pytorch/pytorch#190489, the failed run quoted in
+        # docs/performance.md)
+        torch.distributed.destroy_process_group()
 
 
 def run(backend: str, k: int, ids: list, tokens: int) -> dict:
-    from cacheidx import parallel
-
     # one thread per process, one process or several: the ranks share this host's cores, and
     # a rank spinning on threads it cannot have would measure the host, not the collectives
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     env.pop("XLA_FLAGS", None)
-    ranks = k if backend == "torch" else 1
     if backend == "jax" and k > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={k}"
-    argv = [sys.executable, __file__, "--worker", "--backend", backend, "--k", str(k),
-            "--ids", json.dumps(ids), "--tokens", str(tokens)]
-    results = parallel.launch(argv, ranks, deadline=900, env=env)
-    return json.loads(results[0].stdout.strip().splitlines()[-1])
+    worker = [__file__, "--worker", "--backend", backend, "--k", str(k), "--ids", json.dumps(ids),
+              "--tokens", str(tokens)]
+    if backend == "torch" and k > 1:  # torch's ranks are processes: torchrun starts them
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={k}", *worker]
+    else:
+        argv = [sys.executable, *worker]
+    return json.loads(finished(argv, env, timeout=900).strip().splitlines()[-1])
+
+
+def finished(argv: list, env: dict, timeout: float) -> str:
+    """``argv``'s stdout once it exited 0. Raises SystemExit with the end of its stderr when it
+    failed, or when it outlived ``timeout`` seconds: then it is sent SIGTERM (on which torchrun
+    ends its ranks before it exits), and killed if it is still running a minute later."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(argv, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            p.terminate()
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if code != 0:
+        how = f"still running after {timeout:g} s" if code is None else f"exit code {code}"
+        raise SystemExit(f"benchmarks/parallel.py: {' '.join(argv[:6])} ... failed ({how}); "
+                         f"the end of its stderr:\n{stderr[-4000:]}")
+    return stdout
 
 
 def main() -> None:

@@ -245,6 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # an unknown backend or device: say which exist
         say(str(e))
         return 2
+    if group is not None and args.backend == "torch":
+        import torch.distributed as dist
+
+        # a process group left to the interpreter's exit can abort the rank (SIGABRT:
+        # pytorch/pytorch#190489); ended here, after every rank's last collective
+        dist.destroy_process_group()
     if group is not None and not group.lead:
         return 0
     figures = served.figures()

@@ -1,10 +1,12 @@
 """What each rank of the multi-process tests runs, and the scenario they share with the
-one-process reference (tests/test_parallel.py starts the ranks with cacheidx.parallel.launch).
+one-process reference (tests/test_parallel.py starts the ranks under a timeout through
+tests/processes.py: torchrun for torch, plain processes for jax).
 
-    python tests/ranks.py jax-decode          # one process of a jax.distributed mesh
-    python tests/ranks.py torch-decode        # one rank of a torch.distributed group
-    python tests/ranks.py torch-raise         # rank 1 raises while rank 0 waits in a collective
-    python tests/ranks.py jax-raise           # rank 1 raises while rank 0 waits in a collective
+    torchrun --standalone --nproc-per-node 2 tests/ranks.py torch-decode   # torch.distributed
+    torchrun --standalone --nproc-per-node 2 tests/ranks.py torch-raise    # rank 1 raises
+    python tests/ranks.py jax-decode    # one process of a jax.distributed mesh (RANK, ...)
+    python tests/ranks.py jax-raise     # process 1 raises while process 0 waits in a sum
+    python tests/ranks.py sleep         # prints its process id, then outlives any timeout
 
 The scenario: the tiny decoder, two prompts prefilled over a shuffled page table, then
 ``STEPS`` decode steps with ``index.advance()``, the tokens fed from a fixed draw (not argmax,
@@ -92,7 +94,10 @@ def jax_decode() -> dict:
     local, params = group.shard(s["config"], s["params"])
     pools = group.pools(local, s["slots"])
 
+    traces = []
+
     def step(params, tokens, index, pools):
+        traces.append(tokens.shape)  # Python runs once a trace: once a program compiled
         return forward(params, local, tokens, index, pools, donate=True, reduce=group.reduce)
 
     run = jax.jit(group.map(step), donate_argnums=3)
@@ -107,7 +112,7 @@ def jax_decode() -> dict:
         checks["index_whole"].append(all(
             x.sharding.is_fully_replicated and len(x.sharding.device_set) == group.size
             for x in index.tensors()))
-        checks["programs"].append(run._cache_size())
+        checks["programs"].append(len(traces))
 
     logits = decode(jax.numpy, run, params, pools, place=group.place,
                     place_index=lambda i: i.to_device(group.replicated), host=group.host,
@@ -118,9 +123,9 @@ def jax_decode() -> dict:
 
 
 def torch_decode() -> dict:
-    """Eagerly, then compiled (``aot_eager``, full graph: the functional all-reduce traces)."""
+    """Eagerly, then compiled (full graph: the functional all-reduce traces into the step's
+    graph), the graphs counted by the backend that receives them."""
     import torch
-    from torch._dynamo.utils import counters
 
     from cacheidx import parallel
     from cacheidx.models.llama import forward
@@ -133,11 +138,17 @@ def torch_decode() -> dict:
     def step(params, tokens, index, pools):
         return forward(params, local, tokens, index, pools, donate=True, reduce=group.reduce)
 
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward  # run as traced, as the "eager" backend does
+
     out = {"rank": group.rank, "size": group.size}
     for mode in ("eager", "compiled"):
         run = group.map(step)
         if mode == "compiled":
-            run = torch.compile(run, backend="aot_eager", fullgraph=True, dynamic=False)
+            run = torch.compile(run, backend=counting, fullgraph=True, dynamic=False)
         shapes = []
 
         def after(index, pools, shapes=shapes):
@@ -146,7 +157,7 @@ def torch_decode() -> dict:
         pools = group.pools(local, s["slots"], like=params["embed"])
         logits = decode(torch, run, params, pools, host=group.host, after=after)
         out[mode] = {"logits": [x.tolist() for x in logits], "pool_shapes": shapes,
-                     "graphs": counters["stats"]["unique_graphs"]}
+                     "graphs": len(graphs)}
     torch.distributed.destroy_process_group()
     return out
 
@@ -181,6 +192,14 @@ def jax_raise() -> None:
     jax.block_until_ready(jax.jit(jnp.sum)(x))
 
 
+def sleep() -> None:
+    import os
+    import time
+
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    time.sleep(600)
+
+
 def main(argv: list[str]) -> None:
     mode = argv[0]
     if mode == "jax-decode":
@@ -191,6 +210,8 @@ def main(argv: list[str]) -> None:
         torch_raise()
     elif mode == "jax-raise":
         jax_raise()
+    elif mode == "sleep":
+        sleep()
     else:
         raise SystemExit(f"tests/ranks.py: unknown mode {mode!r}")
 

@@ -1,7 +1,7 @@
 """SmolLM2-135M tensor-parallel over its 3 key-value heads gives one process's greedy tokens:
-3 torch.distributed ranks (gloo), and one jax mesh of 3 CPU devices. Each run is
-``python -m cacheidx.parallel.greedy`` started by ``cacheidx.parallel.launch`` under a deadline.
-The law on the tiny decoder, fast, is in test_parallel.py."""
+3 torch.distributed ranks (gloo, started by ``torchrun --standalone``), and one jax mesh of 3
+CPU devices. Each run is ``python -m cacheidx.parallel.greedy`` under a timeout
+(tests/processes.py). The law on the tiny decoder, fast, is in test_parallel.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import processes, torchrun
 from smollm2_support import smollm2_or_skip
 
 from cacheidx import parallel
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers."]
 NEW_TOKENS = 8
-DEADLINE = 240
+TIMEOUT = 240  # seconds, per run
 
 
 def greedy(backend, k, ids, *extra, ranks=1, **env):
@@ -30,12 +31,14 @@ def greedy(backend, k, ids, *extra, ranks=1, **env):
              OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
     e.pop("XLA_FLAGS", None)
     e.update(env)
-    argv = [sys.executable, "-m", "cacheidx.parallel.greedy", "--backend", backend,
-            "--tensor-parallel", str(k), "--max-new-tokens", str(NEW_TOKENS), "--ids",
-            json.dumps(ids), "--json", *extra]
-    results = parallel.launch(argv, ranks, deadline=DEADLINE, env=e)
-    lead = json.loads(results[0].stdout.strip().splitlines()[-1])
-    assert all(r.stdout == "" for r in results[1:])  # only the lead rank speaks
+    args = ["-m", "cacheidx.parallel.greedy", "--backend", backend, "--tensor-parallel", str(k),
+            "--max-new-tokens", str(NEW_TOKENS), "--ids", json.dumps(ids), "--json", *extra]
+    if ranks > 1:
+        run = torchrun(args, ranks, timeout=TIMEOUT, env=e)
+    else:
+        run = processes([sys.executable, *args], 1, timeout=TIMEOUT, env=e)
+    lead = run.json(0)
+    assert run.stdout[1:] == [""] * (ranks - 1)  # only the lead rank speaks
     assert lead["figures"]["tensor_parallel"] == k
     return lead["tokens"]
 

@@ -159,6 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = greedy(params, config, ids, max_new_tokens=args.max_new_tokens,
                     backend=args.backend, group=group, compile=args.compile,
                     page_size=args.page_size, timings=timings)
+    if group is not None and args.backend == "torch":
+        import torch.distributed as dist
+
+        # a process group left to the interpreter's exit can abort the rank (SIGABRT, "terminate
+        # called without an active exception": pytorch/pytorch#190489); only after success, as
+        # ending it while another rank is in a collective would wait for that rank
+        dist.destroy_process_group()
     if not lead:
         return 0
     figures = {"backend": args.backend, "tensor_parallel": args.tensor_parallel,

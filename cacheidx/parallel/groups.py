@@ -45,12 +45,12 @@ def initialize(backend: str) -> None:
     """Start ``backend``'s multi-process runtime from torchrun's environment (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), unless it is started or there is one
     process: ``torch.distributed`` with gloo (nccl on CUDA), ``jax.distributed`` with gloo CPU
-    collectives.
+    collectives unless another implementation was chosen.
 
     Law: from then on an uncaught exception prints its traceback and ends the process at once
     (exit code 1). Left to the interpreter, ``jax.distributed`` would hold a failed rank in its
-    shutdown barrier until every other rank arrived (minutes), and the launcher that watches
-    for a failed rank would not see it."""
+    shutdown barrier until every other rank arrived (minutes), and whatever watches the ranks
+    for one that failed (torchrun, a job scheduler) would not see it."""
     rank, size, where = _env_world()
     if size == 1:
         return
@@ -65,7 +65,11 @@ def initialize(backend: str) -> None:
         import jax
 
         if not getattr(jax.distributed, "is_initialized", lambda: False)():
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            # a process-wide option, read when the CPU backend starts: set only where it is
+            # unset (older JAX has no CPU collectives by default), never over the user's
+            # choice (mpi, or JAX_CPU_COLLECTIVES_IMPLEMENTATION)
+            if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "none"):
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator_address=where, num_processes=size,
                                        process_id=rank)
     else:
@@ -122,8 +126,8 @@ class TorchGroup:
         if not dist.is_initialized():
             raise ValueError(
                 "cacheidx.parallel.TorchGroup: torch.distributed is not initialised; run under "
-                "torchrun (or cacheidx.parallel.launch) and call cacheidx.parallel.initialize"
-                "('torch') or torch.distributed.init_process_group first")
+                "torchrun and call cacheidx.parallel.initialize('torch') or "
+                "torch.distributed.init_process_group first")
         self.process_group = process_group or dist.group.WORLD
         self.rank = dist.get_rank(self.process_group)
         self.size = dist.get_world_size(self.process_group)
