@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import _check as check
+from . import _arguments as arguments
 from . import backends
 from .laws import block_of, closes, inside, sees, stands
 from .plan import Plan
@@ -166,9 +166,9 @@ class CacheIndex:
     def window(self, w: int) -> CacheIndex:
         """Tokens see only the last ``w`` positions at or before their own, themselves
         included. Replaces the window the index had. Raises if ``w`` is not positive."""
-        w = check.integer("window", "w", w)
+        w = arguments.integer("window", "w", w)
         if w < 1:
-            raise check.fail("window", f"w must be positive, got {w}")
+            raise arguments.fail("window", f"w must be positive, got {w}")
         return dataclasses.replace(self, window_size=w)
 
     def select(self, columns: Any) -> CacheIndex:
@@ -176,13 +176,13 @@ class CacheIndex:
         ``[batch, seq, k]``. Keeps the window, replaces any selection.
 
         Raises if ``columns`` does not have that shape, ``k`` is 0 or the index is a draft."""
-        xp = check.namespace("select", ("pos", self.pos), ("columns", columns))
+        xp = arguments.namespace("select", ("pos", self.pos), ("columns", columns))
         if self.draft_slots is not None:
-            raise check.fail("select", "a draft cannot select columns")
+            raise arguments.fail("select", "a draft cannot select columns")
         if len(columns.shape) == 3 and columns.shape[2] == 0:
-            raise check.fail("select", "k is 0: columns has shape "
+            raise arguments.fail("select", "k is 0: columns has shape "
                              f"{list(columns.shape)}")
-        check.array("select", "columns", columns, xp, (self.batch, self.seq, None))
+        arguments.array("select", "columns", columns, xp, (self.batch, self.seq, None))
         return dataclasses.replace(self, columns=columns)
 
     def draft(self, slots: Any, sees: Any) -> CacheIndex:
@@ -191,15 +191,15 @@ class CacheIndex:
         are the table's, then the call's tokens. Keeps the window, replaces any draft.
 
         Raises if a shape is wrong, or the index is whole, reads blocks or selects columns."""
-        xp = check.namespace("draft", ("pos", self.pos), ("slots", slots), ("sees", sees))
+        xp = arguments.namespace("draft", ("pos", self.pos), ("slots", slots), ("sees", sees))
         if self.kind != "tabled":
-            raise check.fail("draft", f"a {self.kind} index has no table to draft over")
+            raise arguments.fail("draft", f"a {self.kind} index has no table to draft over")
         if self.block != 1:
-            raise check.fail("draft", f"the index reads blocks of {self.block} positions")
+            raise arguments.fail("draft", f"the index reads blocks of {self.block} positions")
         if self.columns is not None:
-            raise check.fail("draft", "the index selects columns")
-        check.array("draft", "slots", slots, xp, (self.batch, self.seq))
-        check.array("draft", "sees", sees, xp, (self.batch, self.seq, self.seq), kind="bool")
+            raise arguments.fail("draft", "the index selects columns")
+        arguments.array("draft", "slots", slots, xp, (self.batch, self.seq))
+        arguments.array("draft", "sees", sees, xp, (self.batch, self.seq, self.seq), kind="bool")
         return dataclasses.replace(self, draft_slots=slots, draft_sees=sees)
 
     def every(self, m: int) -> CacheIndex:
@@ -210,22 +210,22 @@ class CacheIndex:
         Raises if ``m`` is not positive or, unless the index reads blocks of ``m`` already, if
         it reads another block size, selects columns, is a draft or packed, or has a table and
         none for blocks of ``m`` positions."""
-        m = check.integer("every", "m", m)
+        m = arguments.integer("every", "m", m)
         if m < 1:
-            raise check.fail("every", f"m must be positive, got {m}")
+            raise arguments.fail("every", f"m must be positive, got {m}")
         if m == self.block:
             return self
         if self.block != 1:
-            raise check.fail("every", f"the index reads blocks of {self.block} positions, "
+            raise arguments.fail("every", f"the index reads blocks of {self.block} positions, "
                              f"not {m}")
         if self.columns is not None:
-            raise check.fail("every", "the index selects columns")
+            raise arguments.fail("every", "the index selects columns")
         if self.draft_slots is not None:
-            raise check.fail("every", "the index is a draft")
+            raise arguments.fail("every", "the index is a draft")
         if self.kind == "packed":
-            raise check.fail("every", "a packed index cannot read blocks")
+            raise arguments.fail("every", "a packed index cannot read blocks")
         if self.kind == "tabled" and m not in dict(self.blocks):
-            raise check.fail("every", f"the index has no table of blocks of {m} positions "
+            raise arguments.fail("every", f"the index has no table of blocks of {m} positions "
                              f"(it has {[b for b, _ in self.blocks]})")
         return dataclasses.replace(self, block=m)
 
@@ -234,7 +234,7 @@ class CacheIndex:
         past the lane's greatest (a lane of padding advances to 0). Keeps the window and the
         block size, drops the selection and the draft. Raises on a whole index."""
         if self.kind != "tabled":
-            raise check.fail("advance", f"a {self.kind} index has no next token")
+            raise arguments.fail("advance", f"a {self.kind} index has no next token")
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
         nxt = dataclasses.replace(self, pos=xp.clip(last, -1, None) + 1, columns=None,
@@ -383,10 +383,13 @@ class CacheIndex:
 
         With ``donate`` the caller gives ``pool`` up and the backend writes into its memory
         where it can; without it the caller's pool is never changed. Raises if ``values`` does
-        not have the shape ``[batch, seq, *pool.shape[1:]]``."""
+        not have the shape ``[batch, seq, *pool.shape[1:]]``, or a donated pool does not own a
+        row per slot (an expanded or broadcast array)."""
         self.validate(values, pool)
         if self.kind != "tabled":
             return self.seen_whole(values), pool
+        if donate:
+            arguments.owned("extend", "pool", pool)
         self.follow()
         pool = self.store(values, pool, donate)
         return self._read(pool, values), pool
@@ -410,10 +413,10 @@ class CacheIndex:
                 raise TypeError(f"cacheidx.{fn}: {what} must be an array of the index's "
                                 f"library ({self.backend.name}), got {type(x).__name__}")
         if pool.ndim < 1:
-            raise check.fail(fn, "pool must have a slot axis, got a 0-d array")
+            raise arguments.fail(fn, "pool must have a slot axis, got a 0-d array")
         want = (self.batch, self.seq, *pool.shape[1:])
         if tuple(values.shape) != want:
-            raise check.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
+            raise arguments.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
                              f"pool's row), got {list(values.shape)}")
         if values.dtype != pool.dtype:
             raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "

@@ -11,8 +11,12 @@ tensors on the host and names the first one broken.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import numpy as np
 
+from . import backends
 from .devices import to_host
 from .index import CacheIndex
 
@@ -49,16 +53,45 @@ def check(index: CacheIndex) -> CacheIndex:
     stores nothing and reads nothing stored, and passes. Windows and selections change no
     obligation.
 
-    It reads every tensor on the host (one copy off the device for each), so it is for eager
-    code, tests and ``Engine(debug=True)``; inside a compiled step it raises ``TypeError``.
+    It reads every tensor on the host (one copy off the device for each): a host-side debug
+    check, for eager code, tests and ``Engine(debug=True)``. Inside a compiled step it cannot
+    read them: under ``jax.jit`` it raises ``TypeError`` (:data:`HOST_ONLY`); under
+    ``torch.compile`` it is a graph break, run eagerly on the step's tensors, which
+    ``fullgraph=True`` refuses with dynamo's error naming :data:`HOST_ONLY` as its reason.
     """
     if not isinstance(index, CacheIndex):
         raise TypeError(f"cacheidx.check: expected a CacheIndex, got {type(index).__name__}")
     if index.kind != "tabled":
         return index
     if any(index.backend.tracing(x) for x in index.tensors()):
-        raise TypeError("cacheidx.check: the index's tensors are being traced by a compiler; "
-                        "check reads them on the host, so call it outside the compiled step")
+        eager = _EAGER.get(index.backend.name)
+        if eager is None:
+            raise TypeError(HOST_ONLY)
+        return eager(index)
+    return _checked(index)
+
+
+#: why ``check`` cannot run inside a compiled step
+HOST_ONLY = ("cacheidx.check: the index's tensors are being traced by a compiler, and check is "
+             "a host-side debug check that reads them on the host: call it on the index "
+             "before the compiled step (or, under torch.compile, without fullgraph=True: a "
+             "graph break then runs it eagerly)")
+
+#: backend name -> ``_checked`` as its compiler runs a function eagerly from a compiled step
+_EAGER: dict[str, Any] = {}
+
+
+def _made(backend: Any) -> None:
+    """Made before any step is traced (a compiler cannot wrap a function while it traces):
+    torch's compiler runs ``_checked`` eagerly, a graph break. (A backend method for "run
+    this on the host" would let the registry say so rather than this module.)"""
+    torch = sys.modules.get("torch")
+    if backend.name == "torch" and torch is not None:
+        _EAGER["torch"] = torch.compiler.disable(_checked, reason=HOST_ONLY)
+
+
+def _checked(index: CacheIndex) -> CacheIndex:
+    """:func:`check` of a tabled index whose tensors the host can read."""
     calls = _Call(index)
     tables = [(calls.table, "the table", 1)]
     tables += [(to_host(b), f"the table of blocks of {m}", m) for m, b in index.blocks]
@@ -198,3 +231,6 @@ def _foreign(calls: _Call, table: np.ndarray, name: str, lane: np.ndarray, token
     raise ValueError(f"cacheidx.check: {calls.token(b, i)} stores at slot {slot[k]}, its row "
                      f"{own}'s column {column[k]}, which {name} also names in {where}: "
                      f"{_FOREIGN}")
+
+
+backends.when_made(_made)

@@ -1,28 +1,31 @@
 """Attention over the pools in place: ``CacheIndex.attend``.
 
-The law. ``out, kpool', vpool' = index.attend(q, k, v, kpool, vpool)`` stores ``k`` and ``v``
-exactly as ``index.extend`` stores them (bit for bit: the same scatter), and ``out`` equals
-softmax attention of ``q`` over ``extend``'s seen under ``visible``::
+The laws, numbered as the spec numbers the index's (other modules say which they keep):
 
-    seen_k, kpool' = index.extend(k, kpool)
-    seen_v, vpool' = index.extend(v, vpool)
-    out = reference(q, seen_k, seen_v, index.mask(), scale=..., softcap=..., sinks=...)
+1. **Stores.** ``out, kpool', vpool' = index.attend(q, k, v, kpool, vpool)`` stores ``k`` and
+   ``v`` exactly as ``index.extend`` stores them, bit for bit: the same scatter.
+2. **Output.** ``out`` equals softmax attention of ``q`` over ``extend``'s seen under
+   ``visible``, for every value of the index (rows, paged tables, shared prefixes, lanes naming
+   one sequence, windows, blocks of ``m``, selections, drafts, whole and packed indices)::
 
-(:func:`~cacheidx.attention.softmax.reference`) for every value of the index: rows, paged
-tables, shared prefixes, lanes naming one sequence, windows, blocks of ``m``, selections,
-drafts, whole and packed indices. A hole reads as a zero key with the weight of a zero score
-and a zero value, a padded token's output is exactly zero, and nothing a token does not see
-reaches its output, NaN included.
+       seen_k, kpool' = index.extend(k, kpool)
+       seen_v, vpool' = index.extend(v, vpool)
+       out = reference(q, seen_k, seen_v, index.mask(), scale=..., softcap=..., sinks=...)
 
-It never builds ``seen``: columns are read in tiles (:mod:`cacheidx.attention.tiles`) and
-weighed with an online softmax (:class:`~cacheidx.attention.softmax.Online`), so a call holds
-one tile's keys and scores at a time, O(batch x seq x tile) beyond its inputs and outputs.
-The summation order differs from the reference's, so the two agree to a tolerance (see
-docs/attention.md for its derivation), while the pools agree bit for bit.
-
-A backend may read faster where it can (views of runs of slots, a loop the compiler keeps
-rolled): :mod:`cacheidx.attention.paths` finds its fast path, and a path that does not apply
-to a call leaves it to the tiles here.
+   (:func:`~cacheidx.attention.softmax.reference`), to the tolerance docs/attention.md
+   derives: the summation order differs from the reference's.
+3. **Holes.** A hole reads as a zero key with the weight of a zero score and a zero value.
+4. **Padding.** A padded token's output is exactly zero.
+5. **Unseen.** Nothing a token does not see reaches its output, NaN and infinities included
+   (weights and values are selected, never multiplied by a zero).
+6. **In place.** It never builds ``seen``: columns are read in tiles
+   (:mod:`cacheidx.attention.tiles`) or as views of runs of slots
+   (:mod:`cacheidx.attention.runs`) and weighed with an online softmax
+   (:class:`~cacheidx.attention.softmax.Online`), so a call holds one tile's keys and scores
+   at a time, O(batch x seq x tile) beyond its inputs and outputs.
+7. **Paths.** A library's path (:mod:`cacheidx.attention.paths`: one compiled program, a
+   compiler's rolled loop, an operator) keeps laws 1 to 6; one that does not apply to a call
+   leaves it to the core here.
 
 ``q`` is ``[batch, seq, heads, d]``, ``heads`` a multiple of the pools' ``kv_heads``; ``k``
 ``[batch, seq, kv_heads, d]`` and ``v`` ``[batch, seq, kv_heads, dv]``, each of its pool's
@@ -38,10 +41,12 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from .. import _check as check
+from .. import _arguments as arguments
+from .. import backends
+from ..index import attends_with
 from . import runs, tiles
 from .paths import fast
-from .softmax import Online, reference
+from .softmax import Online, reference, work_dtype
 
 __all__ = ["Call", "attend", "reference", "standard", "stored", "tile_size"]
 
@@ -67,14 +72,14 @@ class Call(NamedTuple):
     donate: bool = False
 
     @property
-    def columns(self) -> int:
+    def tile_width(self) -> int:
         """Columns a gathered tile reads: the caller's ``tile``, else :func:`tile_size`'s."""
         if self.tile is not None:
             return self.tile
         return tile_size(self.index.batch, self.index.seq, int(self.q.shape[2]))
 
     @property
-    def layout(self) -> str:
+    def keys_of(self) -> str:
         """``"token"`` under a selection (each token's own keys), ``"lane"`` otherwise."""
         return "token" if self.index.columns is not None else "lane"
 
@@ -91,12 +96,14 @@ def attend(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
     """``index.attend``: see the module's docstring for the law. The library's fast path
     (:mod:`cacheidx.attention.paths`) computes the call where it applies; otherwise the stores,
     then views of runs of slots (:mod:`cacheidx.attention.runs`) or the tiles."""
-    scale, softcap, tile = _check(index, q, k, v, kpool, vpool, scale, softcap, sinks, tile)
+    scale, softcap, tile = _check(index, q, k, v, kpool, vpool, scale, softcap, sinks, tile,
+                                  donate)
     call = Call(index, q, k, v, kpool, vpool, scale, softcap, sinks, tile, bool(donate))
     path = fast(index.backend)
     got = None if path is None else path.attend(call)
     if got is not None:
         return got
+    index.follow()  # the plan every layer reads, made anew where the tensors changed
     call = stored(call)
     out = runs.read(call, SCORES)
     return (standard(call) if out is None else out), call.kpool, call.vpool
@@ -108,22 +115,28 @@ def stored(call: Call) -> Call:
     index = call.index
     if index.kind != "tabled":
         return call
-    return call._replace(kpool=index._store(call.k, call.kpool, call.donate),
-                         vpool=index._store(call.v, call.vpool, call.donate))
+    return call._replace(kpool=index.store(call.k, call.kpool, call.donate),
+                         vpool=index.store(call.v, call.vpool, call.donate))
 
 
 def standard(call: Call) -> Any:
     """The output of ``call`` (its pools holding its stores), tile by tile, on the array API
     standard alone."""
     index, q = call.index, call.q
-    state = Online.start(index.xp, q, call.layout, int(call.vpool.shape[-1]),
+    state = Online.start(index.xp, q, call.keys_of, int(call.vpool.shape[-1]),
                          int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap)
-    for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.columns):
+    for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.tile_width):
         state.add(*t)
     return state.result(call.sinks)
 
 
-def _number(name: str, x: Any, *, positive: bool) -> float:
+def _number(name: str, x: Any, info: Any, *, positive: bool) -> float:
+    """``x`` as a float, finite in the scores' dtype (``info``, its ``finfo``). A softcap
+    must also keep ``z / softcap`` among that dtype's normal numbers wherever it matters:
+    at least the smallest normal, at most ``eps / smallest_normal`` (float32: about 1e31),
+    past which a score below ``eps`` divided by it is subnormal, which XLA flushes to zero (a
+    cap of 1e38 was then off by 1.6 on JAX) and others round coarsely. Without a cap, pass
+    ``softcap=None``."""
     if isinstance(x, bool) or not isinstance(x, int | float) and not hasattr(x, "__float__"):
         raise TypeError(f"cacheidx.attend: {name} must be a real number, got {x!r}")
     if hasattr(x, "shape") and tuple(x.shape) != ():
@@ -131,14 +144,31 @@ def _number(name: str, x: Any, *, positive: bool) -> float:
                         f"shape {list(x.shape)}")
     f = float(x)
     if not math.isfinite(f) or positive and f <= 0:
-        raise check.fail("attend", f"{name} must be a finite{' positive' if positive else ''} "
+        raise arguments.fail("attend", f"{name} must be a finite{' positive' if positive else ''} "
                          f"number, got {x!r}")
+    dtype = getattr(info, "dtype", None) or f"{info.bits}-bit float"
+    if abs(f) > float(info.max):
+        raise arguments.fail("attend", f"{name} must be finite in the scores' dtype ({dtype}, at "
+                         f"most {float(info.max):.4g}), got {x!r}")
+    if positive:
+        least, most = float(info.smallest_normal), float(info.eps / info.smallest_normal)
+        if not least <= f <= most:
+            raise arguments.fail("attend", f"{name} must be from {least:.4g} to {most:.4g} for "
+                             f"{dtype} scores (past it, scores divided by it fall below "
+                             f"{dtype}'s normal numbers; no cap is {name}=None), got {x!r}")
     return f
 
 
 def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: Any,
-           softcap: Any, sinks: Any, tile: Any) -> tuple[float, float | None, int | None]:
-    """The call's arguments, checked: every bad one raises naming ``cacheidx.attend``."""
+           softcap: Any, sinks: Any, tile: Any, donate: bool = False
+           ) -> tuple[float, float | None, int | None]:
+    """The call's arguments, checked: every bad one raises naming ``cacheidx.attend``.
+
+    One array for both pools is a call like any other when not donated (keys and values are
+    each stored into a copy of it, and read from their own: ``extend`` on each). Donated, the
+    values would be stored over the keys: refused, as is a donated pool of which several
+    elements share memory (a stride of 0, as ``expand`` and ``broadcast_to`` make), into
+    which a store would write one row into several slots."""
     backend, xp = index.backend, index.xp
     for name, x in (("q", q), ("k", k), ("v", v), ("kpool", kpool), ("vpool", vpool)):
         if not backend.same_library(x):
@@ -146,20 +176,31 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
                             f"({backend.name}), got {type(x).__name__}")
     for name, pool in (("kpool", kpool), ("vpool", vpool)):
         if pool.ndim != 3:
-            raise check.fail("attend", f"{name} must be [slots, kv_heads, dim], got shape "
+            raise arguments.fail("attend", f"{name} must be [slots, kv_heads, dim], got shape "
                              f"{list(pool.shape)}")
     if vpool.shape[1] != kpool.shape[1]:
-        raise check.fail("attend", f"kpool has {kpool.shape[1]} kv heads but vpool "
+        raise arguments.fail("attend", f"kpool has {kpool.shape[1]} kv heads but vpool "
                          f"{vpool.shape[1]}")
-    index._check_extend(k, kpool, "attend", "k")
-    index._check_extend(v, vpool, "attend", "v")
+    if 0 in (int(kpool.shape[1]), int(kpool.shape[2]), int(vpool.shape[2])):
+        raise arguments.fail("attend", "pools must have at least one kv head and a head dim of at "
+                         f"least 1, got kpool {list(kpool.shape)} and vpool "
+                         f"{list(vpool.shape)}")
+    if donate:
+        if kpool is vpool:
+            raise arguments.fail("attend", "kpool and vpool are one array: donated, the values "
+                             "would be stored over the keys; pass a pool of its own for each, "
+                             "or donate=False")
+        arguments.owned("attend", "kpool", kpool)
+        arguments.owned("attend", "vpool", vpool)
+    index.validate(k, kpool, "attend", "k")
+    index.validate(v, vpool, "attend", "v")
     kv, d = int(kpool.shape[1]), int(kpool.shape[2])
     if q.ndim != 4 or tuple(q.shape[:2]) != (index.batch, index.seq) or q.shape[3] != d:
-        raise check.fail("attend", f"q must have shape [{index.batch}, {index.seq}, heads, {d}]"
+        raise arguments.fail("attend", f"q must have shape [{index.batch}, {index.seq}, heads, {d}]"
                          f" (batch, seq, heads, the keys' dim), got {list(q.shape)}")
     heads = int(q.shape[2])
     if heads == 0 or heads % kv:
-        raise check.fail("attend", f"q's {heads} heads are not a multiple of the pools' {kv} "
+        raise arguments.fail("attend", f"q's {heads} heads are not a multiple of the pools' {kv} "
                          "kv heads")
     if not xp.isdtype(q.dtype, "real floating"):
         raise TypeError(f"cacheidx.attend: q must hold real floats, got dtype {q.dtype}")
@@ -168,13 +209,21 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
             raise TypeError("cacheidx.attend: sinks must be an array of the index's library "
                             f"({backend.name}), got {type(sinks).__name__}")
         if tuple(sinks.shape) != (heads,):
-            raise check.fail("attend", f"sinks must have shape [{heads}] (one per head), got "
+            raise arguments.fail("attend", f"sinks must have shape [{heads}] (one per head), got "
                              f"{list(sinks.shape)}")
         if not xp.isdtype(sinks.dtype, "real floating"):
             raise TypeError(f"cacheidx.attend: sinks must hold real floats, got dtype "
                             f"{sinks.dtype}")
-    scale = 1.0 / math.sqrt(d) if scale is None else _number("scale", scale, positive=False)
-    softcap = None if softcap is None else _number("softcap", softcap, positive=True)
+    # scale and softcap meet the scores in the dtype they are kept in (float32 for halves)
+    info = xp.finfo(work_dtype(xp, q.dtype))
+    scale = 1.0 / math.sqrt(d) if scale is None else _number("scale", scale, info,
+                                                            positive=False)
+    softcap = None if softcap is None else _number("softcap", softcap, info, positive=True)
     if tile is not None:
-        tile = check.integer("attend", "tile", tile, least=1)
+        tile = arguments.integer("attend", "tile", tile, least=1)
     return scale, softcap, tile
+
+
+attends_with(attend)
+# a library's path made with its backend: a compiler tracing a call could not import it
+backends.when_made(fast)

@@ -8,13 +8,23 @@ over the columns ``j`` that ``i`` sees, with ``z_j = cap(scale * q . k_j)`` and
 ``cap(x) = softcap * tanh(x / softcap)`` (the identity without a softcap); without sinks the
 sink's term is absent. A query that sees no column has an output of exactly zero.
 
+What a query does not see never reaches its output, infinities included: weights and values
+are selected, never multiplied by a zero, so no ``0 * inf`` can happen. A value that is not
+finite (Inf or NaN) in a column ``i`` sees makes ``i``'s output at that kv head's query heads
+NaN, every component, whatever the column's weight (a seen column whose ``p_j`` underflowed to
+zero is still seen); one in a column ``i`` does not see changes nothing. A query that weighs no
+column (it sees none, or only columns of score ``-inf``) has the output of its values alone:
+zero, or NaN where one of them is not finite. NaN in, NaN out: a NaN key, score or sink makes
+NaN the outputs it enters (a NaN sink every output of its head but those of queries weighing
+no column, which stay as above).
+
 :func:`reference` computes it over extend's whole ``seen``. :class:`Online` computes it a tile
 of columns at a time, keeping per query a running maximum ``m``, a sum ``l`` of
 ``exp(z - m)`` and an output ``acc`` scaled alike (FlashAttention's online softmax): each tile
 rescales what came before by ``exp(m_old - m_new)``, so no more than one tile's scores exist
 at once. The sink is one more column, folded in last.
 
-Keys come in one of two layouts. ``"lane"``: a tile's keys are shared by the lane's tokens,
+A tile's keys are of one of two kinds, ``keys_of``. ``"lane"``: shared by the lane's tokens,
 ``[batch, T, kv, d]``, and scores are ``[batch, kv, g, seq, T]``. ``"token"`` (a selection):
 each token has keys of its own, ``[batch, seq, T, kv, d]``, scores ``[batch, seq, kv, g, T]``.
 ``g = heads // kv`` query heads share each key-value head (grouped-query attention).
@@ -26,7 +36,7 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["Online", "group", "reference", "ungroup", "work_dtype"]
+__all__ = ["Online", "group", "reference", "traced", "ungroup", "work_dtype"]
 
 
 def work_dtype(xp: Any, dtype: Any) -> Any:
@@ -72,38 +82,45 @@ def reference(q: Any, seen_k: Any, seen_v: Any, mask: Any, *, scale: float | Non
         m = mask[:, :, None, None, :]
         sink_shape = (1, 1, kv, g, 1)
     z = _cap(xp, z * scale, softcap)
-    any_seen = xp.any(m, axis=-1, keepdims=True)
     top = xp.max(xp.where(m, z, -xp.inf), axis=-1, keepdims=True)
     sink = None if sinks is None else xp.reshape(xp.astype(sinks, z.dtype), sink_shape)
     if sink is not None:
         top = xp.maximum(top, sink)
     top = xp.where(xp.isfinite(top), top, 0.0)
     e = xp.where(m, xp.exp(z - top), 0.0)
-    total = xp.sum(e, axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + xp.exp(sink - top)
-    w = xp.where(any_seen, e / xp.where(total > 0, total, 1.0), 0.0)
+    weighed = xp.sum(e, axis=-1, keepdims=True)  # zero: the query weighs no column
+    total = weighed if sink is None else weighed + xp.exp(sink - top)
+    # selected, not divided, where nothing is weighed: a NaN sink stays out of those
+    w = xp.where(weighed == 0, 0.0, e / xp.where(weighed == 0, 1.0, total))
+    # a value that is not finite weighs as zero, and poisons (below) only who sees it
+    bad = ~xp.isfinite(seen_v)
+    clean = xp.where(bad, xp.zeros((), dtype=seen_v.dtype), seen_v)
+    bad = xp.astype(xp.any(bad, axis=-1), w.dtype)  # [b, c, kv] or [b, s, k, kv]
+    sees = xp.astype(mask, w.dtype)
     if seen_k.ndim == 4:
-        vh = xp.permute_dims(seen_v, (0, 2, 1, 3))
+        vh = xp.permute_dims(clean, (0, 2, 1, 3))
         out = xp.reshape(mm(xp.reshape(w, (b, kv, g * s, c)), vh), (b, kv, g, s, -1))
         out = xp.permute_dims(out, (0, 3, 1, 2, 4))  # [b, s, kv, g, dv]
+        hits = sees @ bad  # [b, s, c] @ [b, c, kv]: seen columns holding a bad value
     else:
-        out = mm(w, xp.permute_dims(seen_v, (0, 1, 3, 2, 4)))  # [b, s, kv, g, dv]
+        out = mm(w, xp.permute_dims(clean, (0, 1, 3, 2, 4)))  # [b, s, kv, g, dv]
+        hits = xp.sum(sees[..., None] * bad, axis=2)  # [b, s, kv]
+    out = xp.where(hits[:, :, :, None, None] > 0, xp.nan, out)
     return xp.reshape(out, (b, s, heads, out.shape[-1]))
 
 
-def group(xp: Any, q: Any, layout: str, kv: int, scale: float) -> Any:
-    """``q`` ``[batch, seq, heads, d]`` in the work dtype, scaled, and grouped for ``layout``:
+def group(xp: Any, q: Any, keys_of: str, kv: int, scale: float) -> Any:
+    """``q`` ``[batch, seq, heads, d]`` in the work dtype, scaled, and grouped for ``keys_of``:
     ``[batch, kv, g, seq, d]`` (``"lane"``) or ``[batch, seq, kv, g, d]`` (``"token"``)."""
     b, s, heads, d = q.shape
     qg = xp.reshape(_as(xp, q, work_dtype(xp, q.dtype)), (b, s, kv, heads // kv, d)) * scale
-    return xp.permute_dims(qg, (0, 2, 3, 1, 4)) if layout == "lane" else qg
+    return xp.permute_dims(qg, (0, 2, 3, 1, 4)) if keys_of == "lane" else qg
 
 
-def ungroup(xp: Any, out: Any, layout: str, dtype: Any) -> Any:
-    """An output in ``layout`` (:meth:`Online.normalised`'s) as ``[batch, seq, heads, dv]`` in
+def ungroup(xp: Any, out: Any, keys_of: str, dtype: Any) -> Any:
+    """An output of ``keys_of`` (:meth:`Online.normalised`'s) as ``[batch, seq, heads, dv]`` in
     ``dtype``."""
-    if layout == "lane":
+    if keys_of == "lane":
         out = xp.permute_dims(out, (0, 3, 1, 2, 4))
     b, s, kv, g, dv = out.shape
     return _as(xp, xp.reshape(out, (b, s, kv * g, dv)), dtype)
@@ -115,20 +132,20 @@ def _as(xp: Any, x: Any, dtype: Any) -> Any:
 
 @dataclasses.dataclass
 class Online:
-    """The running state of one call's online softmax: queries grouped for ``layout``
+    """The running state of one call's online softmax: queries grouped for ``keys_of``
     (:func:`group`), and per query ``m`` (the largest score so far), ``l`` and ``acc``, all
     ``None`` until a tile comes (the first tile then needs no rescaling, and a decode step's
     one tile is a plain softmax).
 
-    ``Online.start(xp, q, layout, dv, kv)`` begins; ``add(keys, values, mask)`` folds in one
+    ``Online.start(xp, q, keys_of, dv, kv)`` begins; ``add(keys, values, mask)`` folds in one
     tile; ``result(sinks)`` gives ``[batch, seq, heads, dv]`` in ``q``'s dtype. A caller that
     attends for several parts of a batch apart (a lane, a block of queries) groups the queries
     once, makes an ``Online`` per part from its slice, and ungroups the parts' ``normalised``
     outputs once."""
 
     xp: Any
-    layout: str
-    q: Any  #: the queries, grouped for the layout (:func:`group`)
+    keys_of: str
+    q: Any  #: the queries, grouped for ``keys_of`` (:func:`group`)
     dv: int
     softcap: float | None
     out_dtype: Any
@@ -139,28 +156,30 @@ class Online:
     masked: bool = False
     #: one product per kv head where a tile's lanes and heads do not fold into one batch: a
     #: library (or torch's compiler) would copy the tile to fold them, where a product per
-    #: head reads it in place (a compiled torch decode at 1k tokens: 17 ms a step, 37 with
-    #: one product)
+    #: head reads it in place (docs/attention.md, "How it reads")
     split: bool = True
     #: columns a product reads at once within a tile (``None``: the whole tile): a lane's
     #: long run read a cache-sized chunk at a time, every kv head's product over one chunk
-    #: before the next, reads each key from memory once (a decode layer at 4k tokens: a fifth
-    #: faster)
+    #: before the next, reads each key from memory once (docs/attention.md, "How it reads")
     chunk: int | None = None
     #: a library's own products for one lane's views (:class:`~.paths.Products`), or None
     products: Any = None
+    #: whether the arrays are a compiler's tracers (no value can be read), ``None``: found
+    #: from the first tile's (:func:`traced`). Eagerly a tile's product is checked for a
+    #: value that is not finite and weighed carefully only then; traced, always
+    traced: bool | None = None
 
     @classmethod
-    def start(cls, xp: Any, q: Any, layout: str, dv: int, kv: int, *, scale: float,
+    def start(cls, xp: Any, q: Any, keys_of: str, dv: int, kv: int, *, scale: float,
               softcap: float | None) -> Online:
-        return cls(xp, layout, group(xp, q, layout, kv, scale), dv, softcap, q.dtype)
+        return cls(xp, keys_of, group(xp, q, keys_of, kv, scale), dv, softcap, q.dtype)
 
     def scores(self, keys: Any) -> Any:
-        """``cap(scale * q . k)`` of every query against one tile's keys, in the layout:
+        """``cap(scale * q . k)`` of every query against one tile's keys, as ``keys_of`` has them:
         ``[batch, kv, g, seq, T]`` or ``[batch, seq, kv, g, T]``."""
         xp = self.xp
         keys = _as(xp, keys, self.q.dtype)
-        if self.layout == "lane":
+        if self.keys_of == "lane":
             b, kv, g, s, d = self.q.shape
             qh = xp.reshape(self.q, (b, kv, g * s, d))
             z = xp.concat([self._lane_scores(qh, part) for part in self._chunks(keys)],
@@ -188,12 +207,13 @@ class Online:
                          for h in range(keys.shape[2])], axis=1)
 
     def add(self, keys: Any, values: Any, mask: Any) -> None:
-        """Fold in one tile: ``keys`` and ``values`` in the layout, ``mask`` ``[batch, seq,
-        T]`` (``None``: every query sees every column of the tile)."""
+        """Fold in one tile: ``keys`` and ``values`` as ``keys_of`` has them, ``mask``
+        ``[batch, seq, T]`` (``None``: every query sees every column of the tile)."""
         xp = self.xp
         z = self.scores(keys)
         if mask is not None:
-            gate = mask[:, None, None, :, :] if self.layout == "lane" else mask[:, :, None, None, :]
+            lane = self.keys_of == "lane"
+            gate = mask[:, None, None, :, :] if lane else mask[:, :, None, None, :]
             z = xp.where(gate, z, -xp.inf)
             self.masked = True
         top = xp.max(z, axis=-1, keepdims=True)
@@ -204,7 +224,14 @@ class Online:
             top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
         p = xp.exp(z - base)
         total = xp.sum(p, axis=-1, keepdims=True)
-        weighed = self._weigh(p, _as(xp, values, p.dtype))
+        values = _as(xp, values, p.dtype)
+        if self.traced is None:
+            self.traced = traced(values)
+        weighed = None if self.traced else self._weigh(p, values)
+        # IEEE products: a value that is not finite makes its whole column of the product
+        # non-finite, whatever it is multiplied by, so a finite product had none to select
+        if weighed is None or not _finite(xp, weighed):
+            weighed = self._weigh_selected(p, values, mask)
         if self.m is None:
             self.l, self.acc = total, weighed
         else:
@@ -212,9 +239,29 @@ class Online:
             self.l, self.acc = self.l * fade + total, self.acc * fade + weighed
         self.m = top
 
+    def _weigh_selected(self, p: Any, values: Any, mask: Any) -> Any:
+        """``p`` times ``values`` with every value that is not finite weighing as zero (no
+        ``0 * inf``), then NaN at each query and kv head that sees a column holding one."""
+        xp = self.xp
+        bad = ~xp.isfinite(values)
+        weighed = self._weigh(p, xp.where(bad, xp.zeros((), dtype=values.dtype), values))
+        bad = xp.any(bad, axis=-1)  # per column and kv head: [b, T, kv] or [b, s, T, kv]
+        if self.keys_of == "lane":
+            if mask is None:  # every query sees every column
+                hits = xp.any(bad, axis=1)[:, :, None, None, None]
+            else:  # [b, s, T] @ [b, T, kv]: the bad columns each query sees
+                hits = xp.astype(mask, p.dtype) @ xp.astype(bad, p.dtype) > 0
+                hits = xp.permute_dims(hits, (0, 2, 1))[:, :, None, :, None]
+        else:
+            if mask is not None:
+                bad = bad & mask[..., None]
+            hits = xp.any(bad, axis=2)[..., None, None]  # [b, s, kv, 1, 1]
+        return xp.where(hits, xp.full((), xp.nan, dtype=weighed.dtype, device=_device(p)),
+                        weighed)
+
     def _weigh(self, p: Any, values: Any) -> Any:
         xp = self.xp
-        if self.layout == "lane":
+        if self.keys_of == "lane":
             b, kv, g, s, t = p.shape
             ph = xp.reshape(p, (b, kv, g * s, t))
             out, c = None, 0
@@ -235,28 +282,58 @@ class Online:
                         axis=1)
 
     def normalised(self, sinks: Any = None) -> Any:
-        """``acc / l`` in the layout, with the sinks' column folded in; zero for a query that
-        saw nothing (and for every query when no tile came)."""
+        """``acc / l`` as ``keys_of`` has them, with the sinks' column folded in; zero for a
+        query that saw nothing (and for every query when no tile came)."""
         xp = self.xp
         if self.m is None:
             return xp.zeros((*self.q.shape[:-1], self.dv), dtype=self.q.dtype,
                             device=_device(self.q))
         m, l, acc = self.m, self.l, self.acc
-        masked = self.masked
-        if sinks is not None:
-            kv, g = self.q.shape[1:3] if self.layout == "lane" else self.q.shape[2:4]
-            shape = (1, kv, g, 1, 1) if self.layout == "lane" else (1, 1, kv, g, 1)
-            sink = xp.reshape(_as(xp, sinks, m.dtype), shape)
-            top = xp.maximum(m, sink)
-            base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
-            fade = xp.exp(m - base)
-            l, acc, masked = l * fade + xp.exp(sink - base), acc * fade, True
-        # without a mask every query saw a column of the first tile: its sum is positive
-        return acc / (xp.where(l > 0, l, xp.ones((), dtype=l.dtype)) if masked else l)
+        one = xp.ones((), dtype=l.dtype)
+        if sinks is None:
+            # without a mask every query saw a column of the first tile: its sum is positive
+            return acc / (xp.where(l > 0, l, one) if self.masked else l)
+        kv, g = self.q.shape[1:3] if self.keys_of == "lane" else self.q.shape[2:4]
+        shape = (1, kv, g, 1, 1) if self.keys_of == "lane" else (1, 1, kv, g, 1)
+        sink = xp.reshape(_as(xp, sinks, m.dtype), shape)
+        top = xp.maximum(m, sink)
+        base = xp.where(top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
+        fade = xp.exp(m - base)
+        total = l * fade + xp.exp(sink - base)
+        # a query that weighed no column keeps its values' output (selected: a NaN sink's
+        # fade would reach it through 0 * nan)
+        none = l == 0
+        return xp.where(none, acc, acc * fade / xp.where(none, one, total))
 
     def result(self, sinks: Any = None) -> Any:
         """``[batch, seq, heads, dv]`` in ``q``'s dtype: :meth:`normalised`, ungrouped."""
-        return ungroup(self.xp, self.normalised(sinks), self.layout, self.out_dtype)
+        return ungroup(self.xp, self.normalised(sinks), self.keys_of, self.out_dtype)
+
+
+def _finite(xp: Any, x: Any) -> bool:
+    """Whether every element of ``x`` is finite: its sum is (one reduction, a third of torch's
+    isfinite-and-all on a decode step's tile; a sum that overflows only costs the careful
+    product). A tensor that wants a gradient is asked without a scalar of its own, which torch
+    warns about."""
+    if getattr(x, "requires_grad", False):
+        return bool(xp.all(xp.isfinite(x)))
+    return math.isfinite(float(xp.sum(x)))
+
+
+def traced(x: Any) -> bool:
+    """Whether ``x`` is a compiler's tracer, whose values the host cannot read:
+    array-api-compat's lazy arrays (JAX's), or any array while ``torch.compile`` traces.
+
+    The backends know this (``Backend.tracing``), but a tile does not carry its backend, and
+    finding it by the array is not traceable by dynamo (the registry reads entry points)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        return True
+    from array_api_compat import is_lazy_array
+
+    return is_lazy_array(x)
 
 
 def _device(x: Any) -> Any:

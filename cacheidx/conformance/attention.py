@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends
 from ..attention import reference
-from ..index import _flatten, _unflatten
 from .laws import index, same, variants
 from .suite import Case, law
 
@@ -56,8 +54,7 @@ def attend_capped(ix, q, k, v, kpool, vpool, sinks):
 def spec_path(case: Case, ix, q, k, v, kpool, vpool, **options):
     """The law's right-hand side on NumPy: ``extend`` on both pools, then the materialised
     softmax under ``mask``."""
-    leaves, (structure, _) = _flatten(ix)
-    host = _unflatten((structure, backends.get("numpy")), [case.numpy(t) for t in leaves])
+    host = ix.map(case.numpy)
     arrays = [case.numpy(a) for a in (q, k, v, kpool, vpool)]
     sinks = options.pop("sinks", None)
     if sinks is not None:
@@ -187,3 +184,84 @@ def law_attend_reads_nothing_a_token_does_not_see(case: Case) -> None:
             out = case.numpy(step(at, *(case.array(a) for a in arrays), *extra)[0])
             assert np.all(out[0, 0] == 0), f"a padded token's output is {out[0, 0]}"
             assert np.all(out[1] == 0), f"a lane of padding's output is {out[1]}"
+
+
+def poisoned(case: Case, host, got, want, v_seen, what: str, sinks=None) -> None:
+    """``got`` NaN exactly where the reference ``want`` is, which is where a token sees a
+    value that is not finite (at that kv head) or has a NaN sink at a head and sees some
+    column (every score here is finite), and within tolerance elsewhere."""
+    got, want = case.numpy(got), case.numpy(want)
+    bad = ~np.isfinite(case.numpy(v_seen)).all(-1)  # [b, c, kv] or [b, s, k, kv]
+    sees = host.mask()
+    hits = (np.einsum("bsc,bck->bsk", sees, bad) if bad.ndim == 3 else (sees[..., None] & bad)
+            .any(2))
+    expect = np.repeat(hits, HEADS // KV, axis=2)
+    if sinks is not None:
+        expect = expect | (np.isnan(case.numpy(sinks)) & sees.any(-1)[..., None])
+    expect = expect[..., None].repeat(got.shape[-1], -1)
+    assert np.array_equal(np.isnan(want), expect), f"{what}: the reference's NaN misplaced"
+    assert np.array_equal(np.isnan(got), expect), (
+        f"{what}: NaN where a token sees no value that is not finite, or none where it "
+        f"does\n{np.isnan(got).any(-1)}\nwant\n{expect.any(-1)}")
+    assert np.isfinite(got[~expect]).all(), f"{what}: an infinity reached an output"
+    columns = host.context if host.columns is None else int(host.columns.shape[-1])
+    err = float(np.max(np.abs(got - want), where=~expect, initial=0.0))
+    assert err <= tolerance(case, columns), f"{what}: max difference {err:.3g}"
+
+
+#: each kind's pools head-major as the laws above lay them, so that a compiled step's guards
+#: on strides find its programs
+HEAD = {"rows": False, "window": True, "select": True, "draft": False}
+
+
+def unseen_infinities(case: Case, ix, what: str, arrays, step=attend, extra=(), *,
+                      head: bool, **options):
+    """``step`` over ``arrays`` (NaN and Inf among them) against the reference, eager and
+    compiled: NaN only where a token sees one, padded tokens exactly zero."""
+    q, k, v = (case.array(a) for a in arrays[:3])
+    kpool, vpool = (laid(case, a, head) for a in arrays[3:])
+    got = step(ix, q, k, v, kpool, vpool, *extra)
+    outs = [("eager", got[0])]
+    if case.compiled:
+        outs.append(("compiled", case.jit(step)(ix, q, k, v, kpool, vpool, *extra)[0]))
+    host = ix.map(case.numpy)
+    seen_v, _ = host.extend(arrays[2], arrays[4])
+    want = spec_path(case, ix, q, k, v, kpool, vpool, **options)[0]
+    padded = case.numpy(ix.positions()) < 0 if ix.kind == "tabled" else None
+    for mode, out in outs:
+        poisoned(case, host, out, want, seen_v, f"{what} ({mode})", options.get("sinks"))
+        if padded is not None:
+            assert np.all(case.numpy(out)[padded] == 0), f"{what} ({mode}): a padded token"
+
+
+@law(family="attention", modes=MODES)
+def law_a_value_a_token_does_not_see_never_reaches_it_infinities_included(case: Case) -> None:
+    """Inf and NaN in values other tokens see (the call's own and the pools'): a token that
+    does not see them gets what it would get without them, a padded token exactly zero, and
+    one that sees one NaN at that kv head's heads, as the reference does: through views of runs
+    (rows, a window), the tiles (a draft, a selection), with sinks and a softcap; and a NaN
+    sink NaN at its head for every token that sees a column, a padded token still zero. (The
+    kinds, shapes and options of the laws above, so that compiled steps and JAX's programs are
+    theirs.)"""
+    sinks = case.array(np.array([0.5, -1.0, 3.0, 0.0], np.float32))
+    capped = {"scale": 0.3, "softcap": 2.5, "sinks": sinks}
+    kinds = variants(case, 2, 11)
+    for seed, kind in enumerate(("rows", "window", "select", "draft")):
+        at = kinds[kind]
+        q, k, v, kpool, vpool = inputs(case, at, 22, 40 + seed)
+        v[:, -1, 0, 1] = np.inf  # the last token's own value: only it sees it
+        v[:, 0, 1, :] = np.nan  # the first token's: not the last under a window of 2
+        vpool[8, 0, 2], vpool[19, 1, 0] = -np.inf, np.nan  # columns the draft's first misses
+        vpool[3:6] = np.inf  # under rows, columns no token sees
+        arrays = (q, k, v, kpool, vpool)
+        if compiles(case, kind):
+            unseen_infinities(case, at, kind, arrays, head=HEAD[kind])
+        if compiles(case, f"{kind}, capped") and kind != "rows":
+            unseen_infinities(case, at, f"{kind}, capped", arrays, attend_capped, (sinks,),
+                              head=HEAD[kind], **capped)
+    # a NaN sink: NaN in, NaN out at its head for every token that sees a column, and a
+    # padded token still exactly zero (the first law's window, its program again)
+    nan_sinks = case.array(np.array([0.5, np.nan, 3.0, 0.0], np.float32))
+    at = kinds["select" if case.compiled else "window"]
+    unseen_infinities(case, at, "a NaN sink", inputs(case, at, 22, 44), attend_capped,
+                      (nan_sinks,), head=True, **{**capped, "sinks": nan_sinks})

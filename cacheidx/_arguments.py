@@ -73,6 +73,24 @@ def lengths(fn: str, name: str, lens: Any) -> list[int]:
     return out
 
 
+def owned(fn: str, name: str, pool: Any) -> None:
+    """Raises naming ``fn`` where the donated ``pool`` does not own a row per slot: elements
+    sharing memory (a stride of 0, as torch's ``expand`` and NumPy's ``broadcast_to`` make),
+    which a store in place would write through at once. A library that shows no strides
+    passes."""
+    if hasattr(pool, "strides"):  # NumPy's and CuPy's, in bytes
+        strides = tuple(pool.strides)
+    elif hasattr(pool, "stride"):  # torch's, in elements (traceable: no callable() check)
+        strides = tuple(pool.stride())
+    else:  # JAX keeps no strides
+        return
+    if any(n > 1 and st == 0 for n, st in zip(pool.shape, strides)):
+        raise fail(fn, f"{name} is donated but its slots share memory (strides "
+                       f"{list(strides)} for shape {list(pool.shape)}: an expanded or broadcast "
+                       "array); a donated pool must own a row per slot: pass a copy, or "
+                       "donate=False")
+
+
 def positive_arg(text: str) -> int:
     """An ``argparse`` type for the command lines: an integer of at least 1."""
     import argparse
