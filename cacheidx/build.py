@@ -8,7 +8,7 @@ from typing import Any
 import array_api_compat as compat
 import numpy as np
 
-from . import _check as check
+from . import _arguments as arguments
 from . import backends
 from .index import CacheIndex
 
@@ -37,24 +37,24 @@ def make(pos: Any, table: Any, *, row: Any = None,
             raise TypeError(f"cacheidx.make: every must hold (m, blocks) pairs, item {i} is "
                             f"{pair!r}")
         named.append((f"blocks of {pair[0]!r}", pair[1]))
-    xp = check.namespace("make", *named)
-    check.array("make", "pos", pos, xp, (None, None))
-    check.array("make", "table", table, xp, (None, None))
+    xp = arguments.namespace("make", *named)
+    arguments.array("make", "pos", pos, xp, (None, None))
+    arguments.array("make", "table", table, xp, (None, None))
     batch, rows_ = pos.shape[0], table.shape[0]
     if row is None:
         if rows_ != batch:
-            raise check.fail("make", f"without row the table must have one row per lane: "
+            raise arguments.fail("make", f"without row the table must have one row per lane: "
                              f"{rows_} rows for a batch of {batch}")
     else:
-        check.array("make", "row", row, xp, (batch,))
+        arguments.array("make", "row", row, xp, (batch,))
     blocks = []
     for m, b in pairs:
-        m = check.integer("make", "m", m)
+        m = arguments.integer("make", "m", m)
         if m < 2:
-            raise check.fail("make", f"an m of every is below 2: {m}")
+            raise arguments.fail("make", f"an m of every is below 2: {m}")
         if m in dict(blocks):
-            raise check.fail("make", f"two tables of blocks have m = {m}")
-        blocks.append((m, check.array("make", f"the table of blocks of {m}", b, xp,
+            raise arguments.fail("make", f"two tables of blocks have m = {m}")
+        blocks.append((m, arguments.array("make", f"the table of blocks of {m}", b, xp,
                                       (rows_, None))))
     _one_device("make", named)
     return CacheIndex(kind="tabled", pos=pos, table=table, row=row, blocks=tuple(blocks))
@@ -70,24 +70,25 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
 
     Raises if there is no lane, ``context`` is not positive, a length is negative or exceeds
     ``context``, or an ``m`` is below 2 or appears twice."""
-    context = check.integer("rows", "context", context)
+    context = arguments.integer("rows", "context", context)
     if context < 1:
-        raise check.fail("rows", f"context must be positive, got {context}")
-    lens = check.lengths("rows", "lens", lens)
+        raise arguments.fail("rows", f"context must be positive, got {context}")
+    lens = arguments.lengths("rows", "lens", lens)
     if not lens:
-        raise check.fail("rows", "there is no lane: lens is empty")
+        raise arguments.fail("rows", "there is no lane: lens is empty")
     for n in lens:
         if n > context:
-            raise check.fail("rows", f"a lane of {n} tokens does not fit a context of {context}")
-    ms = [check.integer("rows", "m", m) for m in _items("rows", "every", every)]
+            raise arguments.fail("rows",
+                                 f"a lane of {n} tokens does not fit a context of {context}")
+    ms = [arguments.integer("rows", "m", m) for m in _items("rows", "every", every)]
     for i, m in enumerate(ms):
         if m < 2:
-            raise check.fail("rows", f"an m of every is below 2: {m}")
+            raise arguments.fail("rows", f"an m of every is below 2: {m}")
         if m in ms[:i]:
-            raise check.fail("rows", f"m = {m} appears twice in every")
+            raise arguments.fail("rows", f"m = {m} appears twice in every")
     batch = len(lens)
     if batch * context > _LARGEST:
-        raise check.fail("rows", f"{batch} lanes of a context of {context} are more slots than "
+        raise arguments.fail("rows", f"{batch} lanes of a context of {context} are more slots than "
                          f"int64 numbers")
     pos = _left_padded(lens, max(max(lens), 1))
     table = np.arange(batch * context).reshape(batch, context)
@@ -107,21 +108,21 @@ def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
     tokens padded on the left.
 
     Raises if ``batch`` or ``seq`` is not positive or a length does not fit."""
-    batch = check.integer("whole", "batch", batch)
-    seq = check.integer("whole", "seq", seq)
+    batch = arguments.integer("whole", "batch", batch)
+    seq = arguments.integer("whole", "seq", seq)
     if batch < 1 or seq < 1:
-        raise check.fail("whole", f"batch and seq must be positive, got batch={batch}, "
+        raise arguments.fail("whole", f"batch and seq must be positive, got batch={batch}, "
                          f"seq={seq}")
     if seq > _LARGEST:
-        raise check.fail("whole", f"seq={seq} is more positions than int64 numbers")
+        raise arguments.fail("whole", f"seq={seq} is more positions than int64 numbers")
     if lens is None:
         lens = [seq] * batch
-    lens = check.lengths("whole", "lens", lens)
+    lens = arguments.lengths("whole", "lens", lens)
     if len(lens) != batch:
-        raise check.fail("whole", f"lens names {len(lens)} lanes for a batch of {batch}")
+        raise arguments.fail("whole", f"lens names {len(lens)} lanes for a batch of {batch}")
     for n in lens:
         if n > seq:
-            raise check.fail("whole", f"a lane of {n} tokens does not fit seq={seq}")
+            raise arguments.fail("whole", f"a lane of {n} tokens does not fit seq={seq}")
     return CacheIndex(kind="whole", pos=_converter(xp, device)(_left_padded(lens, seq)))
 
 
@@ -132,18 +133,18 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
 
     Raises if there is no lane, ``seq`` is not positive, a length is negative or a lane's
     lengths sum past ``seq``."""
-    seq = check.integer("packed", "seq", seq)
+    seq = arguments.integer("packed", "seq", seq)
     if seq < 1:
-        raise check.fail("packed", f"seq must be positive, got {seq}")
+        raise arguments.fail("packed", f"seq must be positive, got {seq}")
     if seq > _LARGEST:
-        raise check.fail("packed", f"seq={seq} is more positions than int64 numbers")
-    lanes = [check.lengths("packed", f"lens[{b}]", lane) for b, lane in enumerate(lens)]
+        raise arguments.fail("packed", f"seq={seq} is more positions than int64 numbers")
+    lanes = [arguments.lengths("packed", f"lens[{b}]", lane) for b, lane in enumerate(lens)]
     if not lanes:
-        raise check.fail("packed", "there is no lane: lens is empty")
+        raise arguments.fail("packed", "there is no lane: lens is empty")
     pos = np.full((len(lanes), seq), -1, dtype=np.int64)
     for b, lane in enumerate(lanes):
         if sum(lane) > seq:
-            raise check.fail("packed", f"lane {b} holds {sum(lane)} tokens, past seq={seq}")
+            raise arguments.fail("packed", f"lane {b} holds {sum(lane)} tokens, past seq={seq}")
         start = seq - sum(lane)
         for n in lane:
             pos[b, start:start + n] = np.arange(n)
@@ -192,4 +193,4 @@ def _one_device(fn: str, named: list[tuple[str, Any]]) -> None:
     first_name, first = devices[0]
     for name, d in devices[1:]:
         if d != first:
-            raise check.fail(fn, f"{name} lies on {d} but {first_name} on {first}")
+            raise arguments.fail(fn, f"{name} lies on {d} but {first_name} on {first}")

@@ -48,7 +48,7 @@ def _looped(call: Any) -> Any:
     xp, kpool, vpool = index.xp, call.kpool, call.vpool
     table, some = index.lane_table, index.seen_by_some()
     width = int(table.shape[1])
-    size = min(call.columns, width)
+    size = min(call.tile_width, width)
     draft = index.draft_slots is not None
     state = Online.start(xp, call.q, "lane", int(vpool.shape[-1]), int(kpool.shape[1]),
                          scale=call.scale, softcap=call.softcap)

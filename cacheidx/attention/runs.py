@@ -189,7 +189,8 @@ def read(call: Any, scores: int) -> Any | None:
 
 def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleaved: bool,
           products: Any) -> Any:
-    """One lane's output in the lane layout: each block of its queries over its pieces.
+    """One lane's output (its keys the lane's: ``keys_of`` "lane"), each block of its queries
+    over its pieces.
     ``own()`` is the lane's own index, made only when a piece needs a mask; a long piece of
     ``interleaved`` pools (token-major) is read in chunks; ``products`` are the library's own
     (:func:`~.paths.products`), or None."""

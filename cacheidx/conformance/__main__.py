@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from .. import _check as check
+from .. import _arguments as arguments
 from .. import backends
 from .runner import DeviceMissing, machine, run, table
 from .suite import MODES
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile backend for every compiled mode (default: aot_eager "
                         "for compiled, eager for dynamic and automatic; inductor generates "
                         "real kernels, ~15 s a program on two cores)")
-    parser.add_argument("--jobs", type=check.positive_arg, default=None,
+    parser.add_argument("--jobs", type=arguments.positive_arg, default=None,
                         help="worker processes at once (default: one per core; 1 runs here)")
     parser.add_argument("--failures", action="store_true", help="print each failing law")
     args = parser.parse_args(argv)

@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _check as check
+from .. import _arguments as arguments
 from . import audit
 from .full import FullManager
 from .hold import Hold
@@ -231,10 +231,10 @@ class PrefixCache:
         n = len(data) // 8
         if n == 0:
             raise ValueError(f"{WHERE}.admit: the prompt is empty")
-        total = n if total is None else check.integer("prefix.PrefixCache.admit", "total",
+        total = n if total is None else arguments.integer("prefix.PrefixCache.admit", "total",
                                                       total, least=n)
         if call is not None:
-            call = check.integer("prefix.PrefixCache.admit", "call", call, least=1)
+            call = arguments.integer("prefix.PrefixCache.admit", "call", call, least=1)
         for m in self._groups:
             why = m.too_large(total)
             if why is not None:
@@ -395,4 +395,4 @@ def _counts(pages: Any, groups: int) -> list[int]:
 
 
 def _integer(name: str, value: Any, least: int) -> int:
-    return check.integer("prefix.PrefixCache", name, value, least=least)
+    return arguments.integer("prefix.PrefixCache", name, value, least=least)

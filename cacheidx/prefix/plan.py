@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import _check as check
+from .. import _arguments as arguments
 
 __all__ = ["Plan", "plan"]
 
@@ -112,7 +112,7 @@ class Plan:
         """
         need = int(self.npages.max(initial=0))
         if width is not None:
-            width = check.integer("prefix.plan.tables", "width", width)
+            width = arguments.integer("prefix.plan.tables", "width", width)
         width = need if width is None else width
         if width < need:
             raise ValueError(f"{_WHERE}.tables: width {width} is shorter than a table of {need}")
@@ -137,7 +137,7 @@ def plan(prompts, page_size: int, *, lengths=None, dedupe: bool = False) -> Plan
     array without ``lengths`` or lengths that do not fit; ``TypeError`` for non-integer tokens,
     page size or lengths.
     """
-    P = check.integer("prefix.plan", "page_size", page_size)
+    P = arguments.integer("prefix.plan", "page_size", page_size)
     if P < 1:
         raise ValueError(f"{_WHERE}: page_size must be >= 1, got {P}")
     prompts, lens = _read(prompts, lengths)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _check as check
+from .. import _arguments as arguments
 from .. import build
 from ..index import CacheIndex
 from .plan import Plan
@@ -160,7 +160,7 @@ def schedule(plan: Plan, *, max_new_tokens: int = 0) -> Schedule:
     ``max_new_tokens``, ``TypeError`` for a non-integer one or something not a plan."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{_WHERE}: expected a cacheidx.prefix.Plan, got {type(plan).__name__}")
-    G = check.integer("prefix.schedule", "max_new_tokens", max_new_tokens)
+    G = arguments.integer("prefix.schedule", "max_new_tokens", max_new_tokens)
     if G < 0:
         raise ValueError(f"{_WHERE}: max_new_tokens must be >= 0, got {G}")
     n = len(plan)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _check as check
+from .. import _arguments as arguments
 from .engine import Engine
 from .groups import Groups
 from .model import LlamaModel
@@ -111,17 +111,18 @@ def _parser() -> argparse.ArgumentParser:
                    "(default numpy; torch with --model)")
     p.add_argument("--device", default=None,
                    help="cpu, gpu, cuda, gpu:N or cuda:N (default: the backend's own)")
-    p.add_argument("--pages", type=check.positive_arg, default=None,
+    p.add_argument("--pages", type=arguments.positive_arg, default=None,
                    help="pages in the pool of each group of layers of one window (default: "
                    f"every request's pages, at most {MOST_PAGES}; a sliding group's, one "
                    "window's at least)")
-    p.add_argument("--page-size", type=check.positive_arg, default=16)
-    p.add_argument("--max-new-tokens", type=check.positive_arg, default=32,
+    p.add_argument("--page-size", type=arguments.positive_arg, default=16)
+    p.add_argument("--max-new-tokens", type=arguments.positive_arg, default=32,
                    help="for each request without its own max_new_tokens")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt whole")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--lanes", type=check.positive_arg, default=8, help="requests running at once")
-    p.add_argument("--chunk", type=check.positive_arg, default=None,
+    p.add_argument("--lanes", type=arguments.positive_arg, default=8,
+                   help="requests running at once")
+    p.add_argument("--chunk", type=arguments.positive_arg, default=None,
                    help="prompt tokens a request computes per step (256 eager, 64 compiled)")
     p.add_argument("--compile", action="store_true",
                    help="compile the step with the backend's jit (jax compiles by default)")

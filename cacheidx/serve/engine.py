@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _check as check
+from .. import _arguments as arguments
 from ..prefix.cache import PrefixCache, lru
 from ..prefix.reach import window_pages
 from .groups import Groups, windows_told
@@ -103,18 +103,18 @@ class Engine:
         if clock not in ("seconds", "steps"):
             raise ValueError(f"cacheidx.serve.Engine: clock must be 'seconds' or 'steps', got "
                              f"{clock!r}")
-        page_size = check.integer(_WHERE, "page_size", page_size, least=1)
+        page_size = arguments.integer(_WHERE, "page_size", page_size, least=1)
         if context is not None:
-            context = check.integer(_WHERE, "context", context, least=1)
+            context = arguments.integer(_WHERE, "context", context, least=1)
         # the most tokens a request holds: what a window must reach past to free a page
         longest = min([c for c in (context, getattr(model, "context", None)) if c is not None],
                       default=None)
         told = windows_told(f"cacheidx.{_WHERE}", windows, getattr(model, "windows", None))
         self.groups = Groups.of(told, longest, page_size)
         counts = _pools(Groups.of(told), self.groups, pages, page_size, longest)
-        lanes = check.integer(_WHERE, "lanes", lanes, least=1)
+        lanes = arguments.integer(_WHERE, "lanes", lanes, least=1)
         chunk = (64 if compile else 256) if chunk is None else \
-            check.integer(_WHERE, "chunk", chunk, least=1)
+            arguments.integer(_WHERE, "chunk", chunk, least=1)
         self.cache = PrefixCache(counts, page_size, policy=policy, windows=self.groups.windows)
         self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
                                    context=context, vocab=getattr(model, "vocab", None),
@@ -294,10 +294,10 @@ def _pools(told: Groups, groups: Groups, pages: Any, page_size: int, longest: in
             raise ValueError(f"cacheidx.{_WHERE}: pages names the windows "
                              f"{sorted(pages, key=str)}; the groups' are "
                              f"{list(told.windows)}")
-        counts = {w: check.integer(_WHERE, f"pages[{w}]", pages[w], least=0)
+        counts = {w: arguments.integer(_WHERE, f"pages[{w}]", pages[w], least=0)
                   for w in told.windows}
     else:
-        counts = dict.fromkeys(told.windows, check.integer(_WHERE, "pages", pages, least=0))
+        counts = dict.fromkeys(told.windows, arguments.integer(_WHERE, "pages", pages, least=0))
     for w, n in zip(told.windows, told.layers, strict=True):
         if w is None:
             continue
