@@ -11,7 +11,7 @@ from cacheidx.attention import runs
 from cacheidx.conformance import LAWS, model
 from cacheidx.conformance.precision import GROWTH, Precision
 from cacheidx.conformance.runner import run_job
-from cacheidx.conformance.suite import Case, Session
+from cacheidx.conformance.suite import Case, Session, compiler_for
 from cacheidx.models.llama import matmul
 
 MODEL_LAWS = [law for law in LAWS if law.fn.__module__ == model.__name__]
@@ -49,11 +49,10 @@ def test_the_tolerance_follows_the_mantissa_bits():
 
 def tf32_case(name: str, mode: str = "eager") -> Case:
     backend = ci.backends.get(name)
-    if hasattr(backend, "compiler"):
-        backend.compiler = "aot_eager"
-        backend.forget()
+    backend.forget()
     return Case(backend, backend.devices()[0], mode=mode,
-                session=Session(policy=Precision.emulated(10)))
+                session=Session(policy=Precision.emulated(10),
+                                compiler=compiler_for(backend, mode, "aot_eager")))
 
 
 @pytest.mark.parametrize("name,mode", [("numpy", "eager"), ("torch", "compiled")])
