@@ -10,6 +10,14 @@ import os
 # tests never oversubscribe the cores (read by torch when it is first imported, below)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from cacheidx.backends.jax import JaxBackend  # noqa: E402  (the adapter imports no jax)
+
+# the tests compile hundreds of tiny JAX programs, eagerly one per operation and shape, each run
+# once or twice: the law suite's workers' XLA settings (no expensive optimisation; the same
+# laws hold under them), set before anything imports jax
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ.update(JaxBackend.checking_env(JaxBackend.__new__(JaxBackend), "cpu"))
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
