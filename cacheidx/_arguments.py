@@ -73,20 +73,25 @@ def lengths(fn: str, name: str, lens: Any) -> list[int]:
     return out
 
 
+def strides(x: Any) -> tuple[int, ...] | None:
+    """``x``'s strides (torch's in elements, NumPy's and CuPy's in bytes: compare only their
+    order or zeros), ``None`` where its library shows none (JAX). Traceable under dynamo."""
+    if hasattr(x, "strides"):
+        return tuple(x.strides)
+    if hasattr(x, "stride"):
+        return tuple(x.stride())
+    return None
+
+
 def owned(fn: str, name: str, pool: Any) -> None:
     """Raises naming ``fn`` where the donated ``pool`` does not own a row per slot: elements
     sharing memory (a stride of 0, as torch's ``expand`` and NumPy's ``broadcast_to`` make),
     which a store in place would write through at once. A library that shows no strides
     passes."""
-    if hasattr(pool, "strides"):  # NumPy's and CuPy's, in bytes
-        strides = tuple(pool.strides)
-    elif hasattr(pool, "stride"):  # torch's, in elements (traceable: no callable() check)
-        strides = tuple(pool.stride())
-    else:  # JAX keeps no strides
-        return
-    if any(n > 1 and st == 0 for n, st in zip(pool.shape, strides)):
+    found = strides(pool)
+    if found is not None and any(n > 1 and st == 0 for n, st in zip(pool.shape, found)):
         raise fail(fn, f"{name} is donated but its slots share memory (strides "
-                       f"{list(strides)} for shape {list(pool.shape)}: an expanded or broadcast "
+                       f"{list(found)} for shape {list(pool.shape)}: an expanded or broadcast "
                        "array); a donated pool must own a row per slot: pass a copy, or "
                        "donate=False")
 

@@ -3,10 +3,9 @@
 FlashInfer splits attention into ``plan`` (host work derived from the page table, once per
 batch) and ``run`` (once per layer). Here the model passes only the index to its layers (the
 spec's rule), so the plan rides with the index: ``index.plan`` is one :class:`Plan`, and its
-parts are what an eager call would otherwise derive again in every layer: where each pool of
-``n`` slots is stored to (:meth:`Plan.store`) and read from (:meth:`Plan.read`), what each tile
-of a table reads (:meth:`Plan.tile`) and the runs of slots a lane's views read
-(:meth:`Plan.runs`).
+parts (:meth:`Plan.part`, of the kinds :attr:`Plan.KINDS` names) are what an eager call would
+otherwise derive again in every layer: where each pool of ``n`` slots is stored to and read
+from, what each tile of a table reads and the runs of slots a lane's views read.
 
 Law: a plan is a function of the index's structure and of the values its tensors hold, never
 of their identity or version counters. A part is made the first time a layer asks for it and
@@ -97,10 +96,10 @@ class Plan:
         registered for its kind (:data:`CARRY`) gives again for ``nxt``; the rest are made
         anew when asked. Nothing is carried from a plan that no longer fits ``index``."""
         plan = Plan()
-        if not self.fits(index.tensors()):
-            return plan
         with _LOCK:
-            parts = dict(self._parts)
+            parts = {k: p for k, p in self._parts.items() if k[0] in CARRY}
+        if not parts or not self.fits(index.tensors()):  # nothing to carry: no comparison
+            return plan
         for (kind, *key), part in parts.items():
             carry = CARRY.get(kind)
             got = None if carry is None else carry(index, nxt, tuple(key), part)
@@ -129,13 +128,14 @@ class Recent:
         self._plans: list[tuple[Any, Plan]] = []
 
     def plan(self, structure: Any, tensors: Sequence[Any]) -> Plan:
-        """A plan of ``structure`` that fits ``tensors``, or a new one kept for the next."""
+        """A plan of ``structure`` that fits ``tensors``, or a new one kept for the next (the
+        call's own :meth:`~Plan.follow` takes its values)."""
         with _LOCK:
             found = [p for s, p in self._plans if s == structure]
         for p in found:
             if p.fits(tensors):
                 return p
-        p = Plan().follow(tensors)
+        p = Plan()
         with _LOCK:
             self._plans = [(structure, p), *self._plans][: self._size]
         return p

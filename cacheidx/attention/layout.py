@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._arguments import strides
+
 __all__ = ["LAYOUTS", "head_major", "zeros"]
 
 #: the memory orders a pool may have
@@ -46,17 +48,9 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
 def head_major(pool: Any) -> bool:
     """Whether ``pool`` ``[slots, kv, dim]`` keeps each head's slots one after another (its
     slot stride below its head stride); ``False`` where the library shows no strides."""
-    strides = _strides(pool)
-    return (strides is not None and len(strides) == 3 and int(pool.shape[1]) > 1
-            and strides[0] < strides[1])
-
-
-def _strides(x: Any) -> tuple[int, ...] | None:
-    """``x``'s strides (in elements or bytes: only their order matters), ``None`` where its
-    library shows none."""
-    if callable(getattr(x, "stride", None)):  # torch
-        return tuple(x.stride())
-    return getattr(x, "strides", None)
+    found = strides(pool)
+    return (found is not None and len(found) == 3 and int(pool.shape[1]) > 1
+            and found[0] < found[1])
 
 
 def _preferred(pool: Any) -> str:
@@ -66,6 +60,6 @@ def _preferred(pool: Any) -> str:
     from . import paths
 
     prefer = getattr(paths.fast(backends.get(pool)), "layout", None)
-    if prefer is None or _strides(pool) is None:
+    if prefer is None or strides(pool) is None:
         return "token"
     return prefer(pool)

@@ -194,7 +194,7 @@ class TorchBackend(Backend):
         import torch
 
         dynamic = {"compiled": False, "dynamic": True, "automatic": None}[mode]
-        return torch.compile(fn, backend=compiler or self.compiler, fullgraph=True,
+        return torch.compile(fn, backend=self.named(compiler), fullgraph=True,
                              dynamic=dynamic)
 
     @contextlib.contextmanager
@@ -244,7 +244,7 @@ class TorchBackend(Backend):
         (its default is 8, after which it would run eagerly)."""
         import torch
 
-        compiler = compiler or self.compiler
+        compiler = self.named(compiler)
         if compiler != "inductor":
             compiled = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False)
         else:
