@@ -17,6 +17,7 @@ from . import _arguments as arguments
 from . import backends
 from .laws import block_of, closes, inside, sees, stands
 from .plan import Plan
+from .quantized import Quantized
 
 __all__ = ["CacheIndex", "Structure", "attends_with"]
 
@@ -384,15 +385,30 @@ class CacheIndex:
         With ``donate`` the caller gives ``pool`` up and the backend writes into its memory
         where it can; without it the caller's pool is never changed. Raises if ``values`` does
         not have the shape ``[batch, seq, *pool.shape[1:]]``, or a donated pool does not own a
-        row per slot (an expanded or broadcast array)."""
+        row per slot (an expanded or broadcast array).
+
+        A :class:`~cacheidx.quantized.Quantized` pool stores each row's codes and scale
+        (:func:`~cacheidx.quantized.quantize`) and ``seen`` holds what they stand for, in
+        float32: the call as through a float pool holding its values'
+        :func:`~cacheidx.quantized.roundtrip` (:mod:`cacheidx.quantized`'s laws)."""
         self.validate(values, pool)
         if self.kind != "tabled":
-            return self.seen_whole(values), pool
+            return self.seen_whole(self.stands_for(values, pool)), pool
         if donate:
-            arguments.owned("extend", "pool", pool)
+            for part in _parts(pool):
+                arguments.owned("extend", "pool", part)
         self.follow()
         pool = self.store(values, pool, donate)
-        return self._read(pool, values), pool
+        return self._read(pool, self.stands_for(values, pool)), pool
+
+    def stands_for(self, values: Any, pool: Any) -> Any:
+        """``values`` as ``pool`` gives them back: themselves, or their
+        :func:`~cacheidx.quantized.roundtrip` through a quantized pool."""
+        if not isinstance(pool, Quantized):
+            return values
+        from .quantized import roundtrip
+
+        return roundtrip(values, pool.bits, scale_dtype=pool.scales.dtype, xp=self.xp)
 
     def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
                scale: float | None = None, softcap: float | None = None, sinks: Any = None,
@@ -408,17 +424,25 @@ class CacheIndex:
 
     def validate(self, values: Any, pool: Any, fn: str = "extend",
                       name: str = "values") -> None:
-        for what, x in ((name, values), ("pool", pool)):
+        """Raises naming ``cacheidx.{fn}`` where ``values`` cannot be stored into ``pool``."""
+        quantized = isinstance(pool, Quantized)
+        if quantized:
+            from .quantized import check, values_for
+
+            check(fn, "pool" if fn == "extend" else f"{name}pool", pool, self.backend)
+        for what, x in ((name, values), *(() if quantized else (("pool", pool),))):
             if not self.backend.same_library(x):
                 raise TypeError(f"cacheidx.{fn}: {what} must be an array of the index's "
                                 f"library ({self.backend.name}), got {type(x).__name__}")
-        if pool.ndim < 1:
+        if quantized:
+            values_for(fn, name, values, self.xp)
+        elif pool.ndim < 1:
             raise arguments.fail(fn, "pool must have a slot axis, got a 0-d array")
         want = (self.batch, self.seq, *pool.shape[1:])
         if tuple(values.shape) != want:
             raise arguments.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
                              f"pool's row), got {list(values.shape)}")
-        if values.dtype != pool.dtype:
+        if not quantized and values.dtype != pool.dtype:
             raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "
                             f"{pool.dtype}")
 
@@ -443,10 +467,18 @@ class CacheIndex:
 
     def store(self, values: Any, pool: Any, donate: bool) -> Any:
         """``pool`` with ``values`` stored where the call's tokens sit (one scatter with drop,
-        through the plan's store for every layer's pool of this size)."""
+        through the plan's store for every layer's pool of this size). A quantized pool stores
+        the rows' codes and scales each so, through the one plan."""
         backend, xp, n = self.backend, self.xp, int(pool.shape[0])
         plan = self.planned("store", (n,), lambda: backend.store_plan(
             xp.reshape(self._store_slots(), (-1,)), n))
+        if isinstance(pool, Quantized):
+            from .quantized import quantize
+
+            codes, scales = quantize(values, pool.bits, scale_dtype=pool.scales.dtype, xp=xp)
+            return Quantized(*(backend.store(p, plan, xp.reshape(r, (-1, *r.shape[2:])),
+                                             donate=donate)
+                               for p, r in ((pool.codes, codes), (pool.scales, scales))))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
         return backend.store(pool, plan, rows, donate=donate)
 
@@ -467,11 +499,21 @@ class CacheIndex:
 
     def _read(self, pool: Any, values: Any) -> Any:
         """Columns of the table read from ``pool``, zero where no token of the lane sees them
-        or the slot addresses nothing."""
+        or the slot addresses nothing (a quantized pool's codes and scales read so, then
+        dequantized). Under a draft, ``values`` are the call's own, as the pool gives them
+        back."""
         xp, n = self.xp, int(pool.shape[0])
         shape, plan = self.planned("read", (n,), lambda: self._read_plan(n))
-        got = self.backend.read(pool, plan)
-        seen = xp.reshape(got, (*shape, *pool.shape[1:]))
+
+        def read(p: Any) -> Any:
+            return xp.reshape(self.backend.read(p, plan), (*shape, *p.shape[1:]))
+
+        if isinstance(pool, Quantized):
+            from .quantized import dequantize
+
+            seen = dequantize(pool.map(read), xp=xp)
+        else:
+            seen = read(pool)
         if self.draft_slots is None:
             return seen
         seen_by_some = xp.any(self.draft_tail(), axis=1)
@@ -556,6 +598,11 @@ class CacheIndex:
     def _last_of(self, cols: Any) -> Any:
         """Each lane's greatest position, shaped to broadcast against ``cols``."""
         return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
+
+
+def _parts(pool: Any) -> tuple[Any, ...]:
+    """The arrays a pool is: itself, or a quantized pool's codes and scales."""
+    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
 
 
 def _arrays(value: Any) -> list[Any]:

@@ -32,8 +32,12 @@ The laws, numbered as the spec numbers the index's (other modules say which they
 dtype; the pools ``[slots, kv_heads, d]`` and ``[slots, kv_heads, dv]``. ``scale`` multiplies
 the scores (``1 / sqrt(d)`` by default), ``softcap`` caps them (``softcap * tanh(z / softcap)``,
 Gemma 2), ``sinks`` ``[heads]`` is one learned logit per head in every softmax's denominator
-(gpt-oss). Raises ``ValueError`` (``TypeError`` for a wrong type or dtype) naming
-``cacheidx.attend`` and the value, before anything is stored.
+(gpt-oss). Either pool may be quantized (:class:`~cacheidx.quantized.Quantized`: codes and
+scales, ``k`` or ``v`` then of any real float dtype): the call is then the call through float
+pools holding its rows' round trip (:mod:`cacheidx.quantized`'s law Q2), its tiles dequantized
+as they are read (their scales folded into scores and weights). Raises ``ValueError``
+(``TypeError`` for a wrong type or dtype) naming ``cacheidx.attend`` and the value, before
+anything is stored.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any, NamedTuple
 from .. import _arguments as arguments
 from .. import backends
 from ..index import attends_with
+from ..quantized import Quantized
 from . import runs, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
@@ -113,10 +118,15 @@ def stored(call: Call) -> Call:
     """``call`` with its keys and values stored in its pools, exactly as ``extend`` stores
     them (nothing on a whole index)."""
     index = call.index
-    if index.kind != "tabled":
-        return call
-    return call._replace(kpool=index.store(call.k, call.kpool, call.donate),
-                         vpool=index.store(call.v, call.vpool, call.donate))
+    stored = call
+    if index.kind == "tabled":
+        stored = call._replace(kpool=index.store(call.k, call.kpool, call.donate),
+                               vpool=index.store(call.v, call.vpool, call.donate))
+    if index.kind != "tabled" or index.draft_slots is not None:
+        # the columns read from the call's own keys and values: as the pools give them back
+        stored = stored._replace(k=index.stands_for(call.k, call.kpool),
+                                 v=index.stands_for(call.v, call.vpool))
+    return stored
 
 
 def standard(call: Call) -> Any:
@@ -170,12 +180,17 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
     elements share memory (a stride of 0, as ``expand`` and ``broadcast_to`` make), into
     which a store would write one row into several slots."""
     backend, xp = index.backend, index.xp
-    for name, x in (("q", q), ("k", k), ("v", v), ("kpool", kpool), ("vpool", vpool)):
-        if not backend.same_library(x):
+    named = (("q", q), ("k", k), ("v", v), ("kpool", kpool), ("vpool", vpool))
+    for name, x in named:
+        if not isinstance(x, Quantized) and not backend.same_library(x):
             raise TypeError(f"cacheidx.attend: {name} must be an array of the index's library "
                             f"({backend.name}), got {type(x).__name__}")
     for name, pool in (("kpool", kpool), ("vpool", vpool)):
-        if pool.ndim != 3:
+        if isinstance(pool, Quantized):
+            from ..quantized import check
+
+            check("attend", name, pool, backend)
+        elif pool.ndim != 3:
             raise arguments.fail("attend", f"{name} must be [slots, kv_heads, dim], got shape "
                              f"{list(pool.shape)}")
     if vpool.shape[1] != kpool.shape[1]:
@@ -190,8 +205,9 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
             raise arguments.fail("attend", "kpool and vpool are one array: donated, the values "
                              "would be stored over the keys; pass a pool of its own for each, "
                              "or donate=False")
-        arguments.owned("attend", "kpool", kpool)
-        arguments.owned("attend", "vpool", vpool)
+        for name, pool in (("kpool", kpool), ("vpool", vpool)):
+            for part in (pool if isinstance(pool, Quantized) else (pool,)):
+                arguments.owned("attend", name, part)
     index.validate(k, kpool, "attend", "k")
     index.validate(v, vpool, "attend", "v")
     kv, d = int(kpool.shape[1]), int(kpool.shape[2])

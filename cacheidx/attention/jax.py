@@ -20,6 +20,7 @@ from functools import cache
 from typing import Any
 
 from ..laws import inside
+from ..quantized import Quantized
 from .softmax import Online
 
 __all__ = ["JaxPath"]
@@ -56,6 +57,8 @@ def _looped(call: Any) -> Any:
     state.split = False  # one product: XLA lays out the tile as it likes
 
     def read(pool: Any, slots: Any, ok: Any) -> Any:
+        if isinstance(pool, Quantized):  # its codes and scales, each so
+            return pool.map(lambda part: read(part, slots, ok))
         got = index.backend.gather(pool, xp.reshape(slots, (-1,)),
                                    xp.reshape(ok & inside(slots, pool.shape[0]), (-1,)))
         return xp.reshape(got, (*slots.shape, *pool.shape[1:]))

@@ -31,6 +31,7 @@ import numpy as np
 from .. import plan as plans
 from ..devices import to_host as host
 from ..laws import inside
+from ..quantized import Quantized
 from . import layout, paths
 from .softmax import Online, group, ungroup
 
@@ -197,14 +198,21 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
     xp, kpool, vpool = call.index.xp, call.kpool, call.vpool
 
     def view(pool: Any, s0: int, width: int) -> Any:
+        if isinstance(pool, Quantized):
+            return pool.map(lambda part: view(part, s0, width))
         return pool[s0:s0 + width, ...][None, ...]
 
+    quantized = isinstance(kpool, Quantized) or isinstance(vpool, Quantized)
+    # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
+    # no float copy of the run is made (and the cast stays in the core's cache)
+    row = int(kpool.shape[1]) * int(kpool.shape[2]) * (
+        4 if quantized else _bytes(xp, kpool.dtype))
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
                        products=products)
-        row = int(kpool.shape[1]) * int(kpool.shape[2]) * _bytes(xp, kpool.dtype)
-        if interleaved and max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row > LONG:
+        longest = max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row
+        if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
             state.chunk = max(64, CHUNK // row)
         part = None
         for c0, c1, s0, full in pieces:

@@ -28,6 +28,13 @@ A tile's keys are of one of two kinds, ``keys_of``. ``"lane"``: shared by the la
 ``[batch, T, kv, d]``, and scores are ``[batch, kv, g, seq, T]``. ``"token"`` (a selection):
 each token has keys of its own, ``[batch, seq, T, kv, d]``, scores ``[batch, seq, kv, g, T]``.
 ``g = heads // kv`` query heads share each key-value head (grouped-query attention).
+
+A tile read from quantized pools (:mod:`cacheidx.quantized`) is a :class:`Quantized` of codes
+and scales: its scales are folded into the scores (``z = scale * (q . c) * s_k``) and into the
+weights (``sum_j (p_j s_j) c_j``), as tpu-inference's ragged paged attention folds them, and its
+codes are cast to floats a chunk at a time, so no float copy of a lane's context is made. A
+tile whose product is not finite (a scale of NaN: a row that held one) is weighed carefully
+over its dequantized values.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from ..quantized import Quantized, dequantize, floats
 
 __all__ = ["Online", "group", "reference", "traced", "ungroup", "work_dtype"]
 
@@ -178,26 +187,44 @@ class Online:
         """``cap(scale * q . k)`` of every query against one tile's keys, as ``keys_of`` has them:
         ``[batch, kv, g, seq, T]`` or ``[batch, seq, kv, g, T]``."""
         xp = self.xp
-        keys = _as(xp, keys, self.q.dtype)
+        if not isinstance(keys, Quantized):
+            keys = _as(xp, keys, self.q.dtype)
         if self.keys_of == "lane":
             b, kv, g, s, d = self.q.shape
             qh = xp.reshape(self.q, (b, kv, g * s, d))
             z = xp.concat([self._lane_scores(qh, part) for part in self._chunks(keys)],
                           axis=-1)
             z = xp.reshape(z, (b, kv, g, s, z.shape[-1]))
+        elif isinstance(keys, Quantized):
+            z = self.q @ xp.permute_dims(floats(keys.codes, self.q.dtype, xp=xp),
+                                         (0, 1, 3, 4, 2))
+            z = z * self._folded(keys.scales)
         else:
             z = self.q @ xp.permute_dims(keys, (0, 1, 3, 4, 2))
         return _cap(xp, z, self.softcap)
 
+    def _folded(self, scales: Any) -> Any:
+        """A quantized tile's scales, shaped against its scores or weights: ``[batch, kv, 1, T]``
+        (``"lane"``, from ``[batch, T, kv]``) or ``[batch, seq, kv, 1, T]`` (``"token"``)."""
+        xp = self.xp
+        s = _as(xp, scales, self.q.dtype)
+        if self.keys_of == "lane":
+            return xp.permute_dims(s, (0, 2, 1))[:, :, None, :]
+        return xp.permute_dims(s, (0, 1, 3, 2))[:, :, :, None, :]
+
     def _chunks(self, x: Any) -> list[Any]:
-        """``x`` ``[batch, T, ...]`` cut along ``T`` into :attr:`chunk` columns, or whole."""
-        t = int(x.shape[1])
+        """``x`` ``[batch, T, ...]`` (or a quantized tile's codes and scales) cut along ``T``
+        into :attr:`chunk` columns, or whole."""
+        t = int(x.shape[1]) if not isinstance(x, Quantized) else int(x.codes.shape[1])
         if self.chunk is None or t <= self.chunk:
             return [x]
-        return [x[:, c:c + self.chunk, ...] for c in range(0, t, self.chunk)]
+        return [_cut(x, c, c + self.chunk) for c in range(0, t, self.chunk)]
 
     def _lane_scores(self, qh: Any, keys: Any) -> Any:
         xp = self.xp
+        if isinstance(keys, Quantized):
+            return self._lane_scores(qh, floats(keys.codes, qh.dtype, xp=xp)) * self._folded(
+                keys.scales)
         if self.products is not None and keys.shape[0] == 1:
             return self.products.scores(qh, keys)
         if keys.shape[0] == 1 or not self.split:  # one lane: its heads are the batch
@@ -219,14 +246,16 @@ class Online:
         top = xp.max(z, axis=-1, keepdims=True)
         if self.m is not None:
             top = xp.maximum(self.m, top)
+        quantized = isinstance(values, Quantized)
         # a query that has seen nothing yet keeps -inf; exp(-inf - 0) is exactly 0
         base = top if not self.masked else xp.where(
             top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
         p = xp.exp(z - base)
         total = xp.sum(p, axis=-1, keepdims=True)
-        values = _as(xp, values, p.dtype)
+        if not quantized:
+            values = _as(xp, values, p.dtype)
         if self.traced is None:
-            self.traced = traced(values)
+            self.traced = traced(values.codes if quantized else values)
         weighed = None if self.traced else self._weigh(p, values)
         # IEEE products: a value that is not finite makes its whole column of the product
         # non-finite, whatever it is multiplied by, so a finite product had none to select
@@ -241,8 +270,11 @@ class Online:
 
     def _weigh_selected(self, p: Any, values: Any, mask: Any) -> Any:
         """``p`` times ``values`` with every value that is not finite weighing as zero (no
-        ``0 * inf``), then NaN at each query and kv head that sees a column holding one."""
+        ``0 * inf``), then NaN at each query and kv head that sees a column holding one (a
+        quantized tile's values dequantized first: their scales hold the NaN)."""
         xp = self.xp
+        if isinstance(values, Quantized):
+            values = _as(xp, dequantize(values, xp=xp), p.dtype)
         bad = ~xp.isfinite(values)
         weighed = self._weigh(p, xp.where(bad, xp.zeros((), dtype=values.dtype), values))
         bad = xp.any(bad, axis=-1)  # per column and kv head: [b, T, kv] or [b, s, T, kv]
@@ -266,14 +298,20 @@ class Online:
             ph = xp.reshape(p, (b, kv, g * s, t))
             out, c = None, 0
             for part in self._chunks(values):
-                w = int(part.shape[1])
+                w = int((part.codes if isinstance(part, Quantized) else part).shape[1])
                 got = self._lane_weigh(ph[..., c:c + w], part)
                 out, c = got if out is None else out + got, c + w
-            return xp.reshape(out, (b, kv, g, s, values.shape[-1]))
+            return xp.reshape(out, (b, kv, g, s, self.dv))
+        if isinstance(values, Quantized):
+            return (p * self._folded(values.scales)) @ xp.permute_dims(
+                floats(values.codes, p.dtype, xp=xp), (0, 1, 3, 2, 4))
         return p @ xp.permute_dims(values, (0, 1, 3, 2, 4))
 
     def _lane_weigh(self, ph: Any, values: Any) -> Any:
         xp = self.xp
+        if isinstance(values, Quantized):
+            return self._lane_weigh(ph * self._folded(values.scales),
+                                    floats(values.codes, ph.dtype, xp=xp))
         if self.products is not None and values.shape[0] == 1:
             return self.products.weigh(ph, values)
         if values.shape[0] == 1 or not self.split:
@@ -308,6 +346,13 @@ class Online:
     def result(self, sinks: Any = None) -> Any:
         """``[batch, seq, heads, dv]`` in ``q``'s dtype: :meth:`normalised`, ungrouped."""
         return ungroup(self.xp, self.normalised(sinks), self.keys_of, self.out_dtype)
+
+
+def _cut(x: Any, c0: int, c1: int) -> Any:
+    """Columns ``c0:c1`` of a tile's keys or values ``[batch, T, ...]``, quantized or not."""
+    if isinstance(x, Quantized):
+        return x.map(lambda a: a[:, c0:c1, ...])
+    return x[:, c0:c1, ...]
 
 
 def _finite(xp: Any, x: Any) -> bool:

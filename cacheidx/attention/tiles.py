@@ -22,12 +22,15 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ..laws import inside
+from ..quantized import Quantized
 
 __all__ = ["Tile", "draft", "read"]
 
 
 class Tile(NamedTuple):
-    keys: Any  #: [batch, T, kv, d] (shared by a lane's tokens) or [batch, seq, T, kv, d]
+    #: [batch, T, kv, d] (shared by a lane's tokens) or [batch, seq, T, kv, d]; read from a
+    #: quantized pool, a :class:`~cacheidx.quantized.Quantized` of its codes and scales
+    keys: Any
     values: Any
     mask: Any  #: [batch, seq, T], or None where every token sees every column
 
@@ -60,6 +63,9 @@ def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
 
 
 def _rows(index: Any, pool: Any, plan: _Plan) -> Any:
+    """A tile's rows of ``pool`` (of a quantized pool, its codes and scales, each so)."""
+    if isinstance(pool, Quantized):
+        return pool.map(lambda part: _rows(index, part, plan))
     got = index.backend.read(pool, plan.read)
     return index.xp.reshape(got, (*plan.shape, *pool.shape[1:]))
 

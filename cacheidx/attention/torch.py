@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..plan import Recent
+from ..quantized import Quantized
 from . import layout
 
 __all__ = ["HeadMajor", "TorchPath", "operands"]
@@ -40,14 +41,17 @@ class TorchPath:
             # the operator plans its reads on the host, which a CUDA graph cannot capture
             # (the engine replays its steps as ones): on a GPU the traced tiles stay
             return None
-        arrays = [a for a in (call.q, call.k, call.v, call.kpool, call.vpool, call.sinks)
-                  if a is not None]
+        arrays = [a for a in (call.q, call.k, call.v, *_pair_parts(call.kpool),
+                              *_pair_parts(call.vpool), call.sinks) if a is not None]
         if torch.is_grad_enabled() and any(a.requires_grad for a in arrays):
             return None
         kpool, vpool = call.kpool, call.vpool
+        if isinstance(kpool, Quantized) != isinstance(vpool, Quantized):
+            return None  # one pool quantized, the other not: the traced tiles
         if not call.donate:  # the caller keeps its pools: the operator stores into copies
-            kpool, vpool = kpool.clone(), vpool.clone()
-        out = torch.ops.cacheidx.attend(*operands(index), call.q, call.k, call.v, kpool, vpool,
+            kpool, vpool = _clone(kpool), _clone(vpool)
+        pools = [*kpool, *vpool] if isinstance(kpool, Quantized) else [kpool, vpool]
+        out = torch.ops.cacheidx.attend(*operands(index), call.q, call.k, call.v, pools,
                                         call.sinks, call.scale, call.softcap, call.tile)
         return out, kpool, vpool
 
@@ -59,7 +63,7 @@ class TorchPath:
     def products(self, backend: Any, kpool: Any, vpool: Any) -> Any:
         """One lane's products over head-major pools on the CPU (:class:`HeadMajor`), or
         ``None``."""
-        if (kpool.device.type != "cpu" or not layout.head_major(kpool)
+        if (getattr(kpool, "codes", kpool).device.type != "cpu" or not layout.head_major(kpool)
                 or not layout.head_major(vpool)):
             return None
         return HeadMajor(backend)
@@ -121,22 +125,36 @@ def _decode(text: str, blocks: list[int], every: int, window: int) -> Any:
                      None if window == -1 else int(window), columns == "1", draft == "1")
 
 
-@torch.library.custom_op("cacheidx::attend", mutates_args=("kpool", "vpool"))
+def _clone(pool: Any) -> Any:
+    return pool.map(torch.clone) if isinstance(pool, Quantized) else pool.clone()
+
+
+def _pair(pools: list[Tensor]) -> tuple[Any, Any]:
+    """The operator's ``pools`` as ``(kpool, vpool)``: two float pools, or the codes and scales
+    of two quantized ones."""
+    if len(pools) == 2:
+        return pools[0], pools[1]
+    return Quantized(pools[0], pools[1]), Quantized(pools[2], pools[3])
+
+
+@torch.library.custom_op("cacheidx::attend", mutates_args=("pools",))
 def _attend(structure: str, blocks: list[int], every: int, window: int, leaves: list[Tensor],
-            q: Tensor, k: Tensor, v: Tensor, kpool: Tensor, vpool: Tensor,
+            q: Tensor, k: Tensor, v: Tensor, pools: list[Tensor],
             sinks: Optional[Tensor], scale: float,  # noqa: UP045
             softcap: Optional[float], tile: Optional[int]) -> Tensor:  # noqa: UP045
-    """``cacheidx::attend``: the call the arguments name, eagerly, storing into ``kpool`` and
-    ``vpool`` (torch's schema needs ``Optional`` spelled out)."""
+    """``cacheidx::attend``: the call the arguments name, eagerly, storing into ``pools``
+    (``[kpool, vpool]``, or a quantized pair's ``[kcodes, kscales, vcodes, vscales]``; torch's
+    schema needs ``Optional`` spelled out)."""
     from . import attend
 
     index = _index(_decode(structure, blocks, every, window), leaves)
+    kpool, vpool = _pair(pools)
     # no input wants a gradient (else the tiles compute the call): it attends as an eager
     # serving step does, under inference mode (the backend's products then take oneDNN)
     with torch.inference_mode():
         out, kept, vkept = attend(index, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
                                   sinks=sinks, donate=True, tile=tile)
-        for pool, got in ((kpool, kept), (vpool, vkept)):
+        for pool, got in zip(pools, [*_pair_parts(kept), *_pair_parts(vkept)], strict=True):
             if got is not pool:  # stored into a copy after all: the operator's are the pools
                 pool.copy_(got)
     # a tensor of its own, outside inference mode, with the fake's strides: the compiled
@@ -158,7 +176,10 @@ def _index(structure: Any, leaves: list[Tensor]) -> Any:
     return CacheIndex.rebuild(structure, leaves, plan=_RECENT.plan(structure, leaves))
 
 
+def _pair_parts(pool: Any) -> tuple[Tensor, ...]:
+    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
+
+
 @_attend.register_fake
-def _(structure, blocks, every, window, leaves, q, k, v, kpool, vpool, sinks, scale, softcap,
-      tile):
-    return q.new_empty((*q.shape[:3], vpool.shape[-1]))
+def _(structure, blocks, every, window, leaves, q, k, v, pools, sinks, scale, softcap, tile):
+    return q.new_empty((*q.shape[:3], _pair(pools)[1].shape[-1]))

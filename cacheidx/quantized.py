@@ -1,0 +1,221 @@
+"""Quantized pools: keys and values kept as 8-bit or 4-bit codes, one scale per token and kv head.
+
+A quantized pool is a pair of pools under one index (:class:`Quantized`): ``codes``
+``[slots, kv_heads, d]`` of int8 (8 bits), or ``[slots, kv_heads, d // 2]`` of uint8 (4 bits,
+two codes a byte), and ``scales`` ``[slots, kv_heads]`` of a real float dtype (float32 by
+default). Both have slot axis 0, so every law of the index holds of each unchanged: a call
+stores its tokens' codes and scales where it would store their rows, through the same plan
+(drop, donation, O(tokens) writes); a hole or an unseen column reads as codes and scale zero,
+so as zero; a page's scales sit at its slots, so they travel with its codes wherever a table
+names them (prefix hits, forks, sliding groups).
+
+The laws, each kept once, here:
+
+- **Q1, the quantizer** (:func:`quantize`). A row ``x`` (one token at one kv head, ``d``
+  elements, any real float dtype, worked in float32) is stored as::
+
+      a = max_i |x_i|
+      s = a * (1 / Q), rounded to the scales' dtype
+      c_i = clip(round(x_i / s), -Q, Q)
+
+  with ``Q = 127`` (8 bits) or ``7`` (4 bits), ``1 / Q`` rounded to float32 once (a product,
+  where a division by a constant is one a compiler may turn into a product by its reciprocal:
+  XLA does, and would move a scale by one ulp) and ``round`` the standard's (half to even). An
+  all-zero row has ``s = 0`` and codes zero, never NaN; a row holding a NaN or an infinity has
+  ``s = NaN`` and codes zero, so it reads as NaN across the row, and attention's laws for
+  values that are not finite then hold over it as over a float pool (nothing is refused: a
+  compiled step cannot look at its values).
+- **Q2, the values** (:func:`dequantize`). Element ``i`` of a stored row is ``c_i * s`` in
+  float32. A call through a quantized pool is the call through a float pool holding its rows'
+  values, :func:`roundtrip` of its own: ``extend``'s seen is the codes times their scales,
+  read as ``extend`` reads a float pool (its zeroing law unchanged), and ``attend`` equals
+  softmax attention over that seen.
+- **Q3, the error.** ``|x_i - c_i s| <= s / 2``, beyond the float32 rounding of ``x_i / s``
+  (a relative ``2**-24``), for both widths: ``s / 2`` is ``a / 254`` at 8 bits and ``a / 14``
+  at 4 bits. The scale's own rounding to a narrower dtype moves ``s``, never the bound: the
+  codes are computed from the rounded scale, clipped at ``Q``.
+- **4-bit codes, packed.** Byte ``i`` of a row holds code ``i`` in its low four bits and code
+  ``i + d/2`` in its high four, each as ``c + 8`` (so a row is two halves; a product over a
+  row is one over each half, never an interleave to undo).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _arguments as arguments
+
+__all__ = ["Quantized", "dequantize", "floats", "quantize", "roundtrip", "zeros"]
+
+#: the largest code of each width
+LARGEST = {8: 127, 4: 7}
+#: ``1 / Q`` of each width, rounded to float32
+_INVERSE = {bits: float(np.float32(1 / q)) for bits, q in LARGEST.items()}
+
+
+class Quantized(NamedTuple):
+    """A quantized pool: ``codes`` and ``scales``, both with slot axis 0 (see the module).
+
+    A named tuple, so it is a pytree to JAX and PyTorch as it is (two leaves, its width in
+    their dtypes): ``jax.jit``, ``torch.compile`` and ``tree_map`` take it as they take a
+    pair of arrays."""
+
+    codes: Any  #: int8 ``[slots, kv, d]``, or uint8 ``[slots, kv, d // 2]`` (4 bits packed)
+    scales: Any  #: ``[slots, kv]``, a real float dtype
+
+    @property
+    def bits(self) -> int:
+        """8 (int8 codes) or 4 (uint8 bytes, two codes each)."""
+        return 4 if _packed(self.codes) else 8
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(slots, kv_heads, d)``: the shape of the float pool it stands for."""
+        n, kv, w = self.codes.shape
+        return int(n), int(kv), int(w) * (2 if self.bits == 4 else 1)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def map(self, fn: Any) -> Quantized:
+        """``Quantized(fn(codes), fn(scales))``: what a law over slots does to each."""
+        return Quantized(fn(self.codes), fn(self.scales))
+
+
+def _packed(codes: Any) -> bool:
+    # by the dtype's name, the same in every library (no namespace to find under a tracer)
+    return str(codes.dtype).endswith("uint8")
+
+
+def _xp(x: Any) -> Any:
+    from array_api_compat import array_namespace
+
+    return array_namespace(x)
+
+
+def zeros(slots: int, kv_heads: int, dim: int, *, bits: int = 8, xp: Any = None,
+          device: Any = None, scale_dtype: Any = None, layout: str = "token") -> Quantized:
+    """An empty quantized pool standing for ``[slots, kv_heads, dim]``: codes and scales zero.
+    ``xp`` a namespace or backend name (as the constructors take it; NumPy by default),
+    ``scale_dtype`` a real float dtype of it (float32 by default), ``layout`` the codes' and
+    scales' memory order (:mod:`cacheidx.attention.layout`: ``"token"`` or ``"head"``, each
+    head's slots one after another)."""
+    from . import backends
+
+    fn = "quantized.zeros"
+    bits = width(fn, bits)
+    slots = arguments.integer(fn, "slots", slots, least=0)
+    kv_heads = arguments.integer(fn, "kv_heads", kv_heads, least=1)
+    dim = arguments.integer(fn, "dim", dim, least=1)
+    if bits == 4 and dim % 2:
+        raise arguments.fail(fn, f"4-bit codes pack two to a byte: dim must be even, got {dim}")
+    if layout not in ("token", "head"):
+        raise arguments.fail(fn, f"layout must be 'token' or 'head', got {layout!r}")
+    xp = backends.get(xp).xp
+    scale_dtype = xp.float32 if scale_dtype is None else scale_dtype
+    if not xp.isdtype(scale_dtype, "real floating"):
+        raise TypeError(f"cacheidx.{fn}: scale_dtype must be a real float dtype, got "
+                        f"{scale_dtype}")
+    where = {} if device is None else {"device": device}
+    code = xp.int8 if bits == 8 else xp.uint8
+    w = dim if bits == 8 else dim // 2
+    if layout == "token":
+        return Quantized(xp.zeros((slots, kv_heads, w), dtype=code, **where),
+                         xp.zeros((slots, kv_heads), dtype=scale_dtype, **where))
+    return Quantized(
+        xp.permute_dims(xp.zeros((kv_heads, slots, w), dtype=code, **where), (1, 0, 2)),
+        xp.permute_dims(xp.zeros((kv_heads, slots), dtype=scale_dtype, **where), (1, 0)))
+
+
+def width(fn: str, bits: Any) -> int:
+    """``bits`` checked: 8 or 4."""
+    if isinstance(bits, bool) or bits not in LARGEST:
+        raise arguments.fail(fn, f"bits must be 8 or 4, got {bits!r}")
+    return int(bits)
+
+
+def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
+             ) -> tuple[Any, Any]:
+    """``(codes, scales)`` of rows ``x`` ``[..., d]`` (law Q1): codes ``[..., d]`` int8, or
+    ``[..., d // 2]`` uint8 at 4 bits; scales ``[...]`` in ``scale_dtype`` (float32). ``xp``
+    is ``x``'s namespace (found from ``x`` without it; a compiler traces faster with it)."""
+    xp = xp or _xp(x)
+    q = LARGEST[bits]
+    f32 = xp.float32
+    x = x if x.dtype == f32 else xp.astype(x, f32)
+    top = xp.max(xp.abs(x), axis=-1)
+    finite = xp.isfinite(top)
+    scale_dtype = f32 if scale_dtype is None else scale_dtype
+    s = xp.where(finite, top * _INVERSE[bits], xp.asarray(xp.nan, dtype=f32))
+    if scale_dtype != f32:
+        s = xp.astype(xp.astype(s, scale_dtype), f32)  # the codes follow the stored scale
+    ok = finite & (s > 0)
+    # an all-zero row, or one that is not finite, divides by one and keeps codes zero
+    c = xp.round(x / xp.where(ok, s, xp.ones((), dtype=f32))[..., None])
+    c = xp.where(ok[..., None], xp.clip(c, -float(q), float(q)), xp.zeros((), dtype=f32))
+    scales = s if scale_dtype == f32 else xp.astype(s, scale_dtype)
+    if bits == 8:
+        return xp.astype(c, xp.int8), scales
+    half = int(x.shape[-1]) // 2
+    u = xp.astype(c + 8, xp.uint8)
+    return xp.bitwise_or(u[..., :half], xp.bitwise_left_shift(u[..., half:], 4)), scales
+
+
+def floats(codes: Any, dtype: Any = None, *, xp: Any = None) -> Any:
+    """The codes ``c`` of ``codes`` (unpacked at 4 bits) as floats of ``dtype`` (float32):
+    ``[..., d]``, exactly the integers they hold."""
+    xp = xp or _xp(codes)
+    dtype = xp.float32 if dtype is None else dtype
+    if not _packed(codes):
+        return xp.astype(codes, dtype)
+    low = xp.astype(xp.bitwise_and(codes, 15), dtype)
+    high = xp.astype(xp.bitwise_right_shift(codes, 4), dtype)
+    return xp.concat([low, high], axis=-1) - 8
+
+
+def dequantize(pool: Any, *, xp: Any = None) -> Any:
+    """The float32 values ``c * s`` of a quantized pool, or of any ``(codes, scales)`` read from
+    one (law Q2): ``[..., d]``."""
+    codes, scales = pool
+    xp = xp or _xp(codes)
+    f32 = xp.float32
+    s = scales if scales.dtype == f32 else xp.astype(scales, f32)
+    return floats(codes, f32, xp=xp) * s[..., None]
+
+
+def roundtrip(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None) -> Any:
+    """``x`` as a quantized pool would give it back: :func:`dequantize` of :func:`quantize`."""
+    xp = xp or _xp(x)
+    return dequantize(quantize(x, bits, scale_dtype=scale_dtype, xp=xp), xp=xp)
+
+
+def check(fn: str, name: str, pool: Quantized, backend: Any) -> None:
+    """A quantized pool's own obligations, each failure naming ``cacheidx.{fn}``: its codes
+    ``[slots, kv, w]`` int8 or uint8, its scales ``[slots, kv]`` of real floats, both of the
+    index's library (``backend``'s)."""
+    codes, scales = pool
+    for part, x in (("codes", codes), ("scales", scales)):
+        if not backend.same_library(x):
+            raise TypeError(f"cacheidx.{fn}: {name}.{part} must be an array of the index's "
+                            f"library ({backend.name}), got {type(x).__name__}")
+    xp = backend.xp
+    if codes.dtype not in (xp.int8, xp.uint8):
+        raise TypeError(f"cacheidx.{fn}: {name}.codes must be int8 (8 bits) or uint8 (4 bits, "
+                        f"two a byte), got {codes.dtype}")
+    if not xp.isdtype(scales.dtype, "real floating"):
+        raise TypeError(f"cacheidx.{fn}: {name}.scales must hold real floats, got "
+                        f"{scales.dtype}")
+    if codes.ndim != 3 or scales.ndim != 2 or tuple(scales.shape) != tuple(codes.shape[:2]):
+        raise arguments.fail(fn, f"{name} must hold codes [slots, kv_heads, dim] and scales "
+                             f"[slots, kv_heads], got codes {list(codes.shape)} and scales "
+                             f"{list(scales.shape)}")
+
+
+def values_for(fn: str, name: str, values: Any, xp: Any) -> None:
+    """What a call stores into a quantized pool must be real floats."""
+    if not xp.isdtype(values.dtype, "real floating"):
+        raise TypeError(f"cacheidx.{fn}: {name} stored into a quantized pool must hold real "
+                        f"floats, got {values.dtype}")
