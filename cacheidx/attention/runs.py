@@ -203,6 +203,9 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
         return pool[s0:s0 + width, ...][None, ...]
 
     quantized = isinstance(kpool, Quantized) or isinstance(vpool, Quantized)
+    # the CPU kernel reads a run every query sees whole, its codes cast in registers
+    native_ok = (isinstance(kpool, Quantized) and isinstance(vpool, Quantized)
+                 and call.softcap is None)
     # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (
@@ -216,6 +219,9 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
             state.chunk = max(64, CHUNK // row)
         part = None
         for c0, c1, s0, full in pieces:
+            if full and quantized and native_ok and _native(state, grouped, i0, i1, kpool,
+                                                            vpool, s0, c1 - c0):
+                continue
             mask = None
             if not full:
                 if part is None:
@@ -225,6 +231,26 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
             state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
         parts.append(state.normalised(call.sinks))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=3)
+
+
+def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, s0: int,
+            width: int) -> bool:
+    """Fold slots ``s0:s0 + width`` of quantized pools into ``state`` through the CPU kernel
+    (:mod:`.native`); False (nothing done) where it does not apply."""
+    from .native import states
+
+    xp = state.xp
+    _, kv, g, _, d = grouped.shape
+    q = xp.reshape(grouped[0, :, :, i0:i1, :], (kv, g * (i1 - i0), d))
+    got = states(q, kpool.map(lambda a: a[s0:s0 + width, ...]),
+                 vpool.map(lambda a: a[s0:s0 + width, ...]))
+    if got is None:
+        return False
+    m, l, acc = got
+    shape = (1, kv, g, i1 - i0)
+    state.merge(xp.reshape(m, (*shape, 1)), xp.reshape(l, (*shape, 1)),
+                xp.reshape(acc, (*shape, state.dv)))
+    return True
 
 
 def _bytes(xp: Any, dtype: Any) -> int:

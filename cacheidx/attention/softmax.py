@@ -268,6 +268,21 @@ class Online:
             self.l, self.acc = self.l * fade + total, self.acc * fade + weighed
         self.m = top
 
+    def merge(self, m: Any, l: Any, acc: Any) -> None:
+        """Fold in the state ``(m, l, acc)`` of columns of their own, shaped as this state's
+        (FlashInfer's ``merge_state``, in natural logs: each sum rescaled to the larger
+        maximum, ``l = l_a e^(m_a - m) + l_b e^(m_b - m)``, ``acc`` alike)."""
+        xp = self.xp
+        if self.m is None:
+            self.m, self.l, self.acc = m, l, acc
+            return
+        top = xp.maximum(self.m, m)
+        base = top if not self.masked else xp.where(
+            top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
+        mine, theirs = xp.exp(self.m - base), xp.exp(m - base)
+        self.l, self.acc = self.l * mine + l * theirs, self.acc * mine + acc * theirs
+        self.m = top
+
     def _weigh_selected(self, p: Any, values: Any, mask: Any) -> Any:
         """``p`` times ``values`` with every value that is not finite weighing as zero (no
         ``0 * inf``), then NaN at each query and kv head that sees a column holding one (a
