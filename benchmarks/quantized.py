@@ -8,7 +8,8 @@ Three tables, one thread:
    window to each full one) at 32k tokens.
 2. **Decode.** Tokens/s of a batch of 8 lanes whose caches hold 4k and 16k tokens, the 2-layer
    shape of ``long_context.py`` (SmolLM2-135M cut to 2 layers, random weights, the same cache
-   for every engine): cacheidx's torch path over float32, int8 and int4 pools, transformers'
+   for every engine): cacheidx's torch path over float32, int8 and int4 pools (and int8 read
+   without the CPU kernel, its codes cast a chunk at a time: ``products``), transformers'
    static cache and its ``QuantizedCache`` (``fp8``, one per-tensor scale: the backend that
    needs no extra package), each step one token per lane and its argmax under
    ``torch.inference_mode()``; the median step, the fastest and slowest, and the bytes a step
@@ -29,6 +30,7 @@ Three tables, one thread:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -152,7 +154,7 @@ def hf_quantized(model, layers, first, context: int, steps: int):
 
 
 ENGINES = ["transformers static", "transformers QuantizedCache fp8", "cacheidx float32",
-           "cacheidx int8", "cacheidx int4"]
+           "cacheidx int8", "cacheidx int4", "cacheidx int8 products"]
 
 
 def decode_rows(contexts, steps: int, engines) -> list[dict]:
@@ -175,9 +177,13 @@ def decode_rows(contexts, steps: int, engines) -> list[dict]:
                 toks, seconds = hf_quantized(model, layers, first, context, steps)
                 kind = "fp8"
             else:
-                kind = engine.split()[-1]
-                toks, seconds = ci_quantized(config, params, layers, first, context, steps,
-                                             kind)
+                from cacheidx.attention import native
+
+                kind = engine.split()[1]
+                # "products": the codes cast to floats a chunk at a time, no kernel
+                with native.off() if engine.endswith("products") else contextlib.nullcontext():
+                    toks, seconds = ci_quantized(config, params, layers, first, context, steps,
+                                                 kind)
             tokens[engine] = toks
             per = {"float32": token_bytes(config.kv_heads, config.head_dim, "float32"),
                    "fp8": 2 * config.kv_heads * config.head_dim,

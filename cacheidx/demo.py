@@ -2,7 +2,7 @@
 
     python -m cacheidx.demo [--backend NAME] [--device DEVICE] [--prompt TEXT ...]
                             [--max-new-tokens N] [--page-size P] [--chunk C] [--eager]
-                            [--compile] [--json]
+                            [--compile] [--json] [--kv int8|int4]
 
 A thin shell over the serving engine (:mod:`cacheidx.serve`): the prompts arrive together;
 the first computes the model's system prompt, which the engine's prefix cache then hands to
@@ -109,6 +109,7 @@ def serve(
     eos: int = EOS,
     progress: Callable[[str], None] = _quiet,
     group=None,
+    kv: str | None = None,
 ) -> Served:
     """Greedy answers to ``prompts`` (lists of token ids), served by
     :class:`cacheidx.serve.Engine` through paged pools on ``backend`` and ``device``
@@ -125,6 +126,8 @@ def serve(
     ``max_new_tokens``. The pool holds every prompt's pages without sharing, so no prompt
     waits for pages. ``group`` (:func:`cacheidx.parallel.group`) runs the model
     tensor-parallel (:class:`cacheidx.serve.ShardedModel`); every rank serves the same steps.
+    ``kv`` (``"int8"``, ``"int4"``) keeps the keys and values in quantized pools
+    (``Engine(kv=...)``, :mod:`cacheidx.quantized`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"cacheidx.demo.serve: max_new_tokens must be positive, got "
@@ -141,7 +144,7 @@ def serve(
                     compile=compile, pages=need, page_size=page_size, lanes=len(prompts),
                     chunk=chunk, cache=share, keep_logits=True, clock="steps",
                     shapes="fixed" if compile else None,
-                    context=max(len(p) for p in prompts) + max_new_tokens - 1)
+                    context=max(len(p) for p in prompts) + max_new_tokens - 1, kv=kv)
     stops = frozenset([eos]) if stop else frozenset()
     results = engine.run([Request(i, p, max_new_tokens, stop=stops)
                           for i, p in enumerate(prompts)], progress=progress)
@@ -200,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile the step with the backend's jit (torch.compile is slow "
                         "to build for 30 layers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--kv", choices=("int8", "int4"), default=None,
+                        help="keep keys and values quantized: 8-bit or 4-bit codes and a "
+                        "float32 scale per token and kv head (default: float pools)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
                         help="split the heads and the MLP over K ranks: torch under torchrun "
                         "--nproc-per-node K, jax over K devices")
@@ -225,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(str(e))
         return 2
     say(f"loaded in {time.perf_counter() - t0:.1f}s; serving {len(ids)} prompts on "
-        f"{args.backend}" + (f", {args.device}" if args.device else ""))
+        f"{args.backend}" + (f", {args.device}" if args.device else "")
+        + (f", kv {args.kv}" if args.kv else ""))
     if group is not None:
         from .parallel import split
 
@@ -241,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chunk=args.chunk,
             progress=say,
             group=group,
+            kv=args.kv,
         )
     except ValueError as e:  # an unknown backend or device: say which exist
         say(str(e))

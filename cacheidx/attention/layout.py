@@ -21,7 +21,7 @@ from typing import Any
 
 from .._arguments import strides
 
-__all__ = ["LAYOUTS", "head_major", "zeros"]
+__all__ = ["LAYOUTS", "head_major", "preferred", "zeros"]
 
 #: the memory orders a pool may have
 LAYOUTS = ("token", "head")
@@ -38,7 +38,7 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
                          f"or None, got {layout!r}")
     where = {} if device is None else {"device": device}
     if layout is None:  # asked of an empty pool on the same device, of the same dtype
-        layout = _preferred(xp.zeros((0, int(kv), int(dim)), dtype=dtype, **where))
+        layout = preferred(xp.zeros((0, int(kv), int(dim)), dtype=dtype, **where))
     if layout == "token":
         return xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
     return xp.permute_dims(xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where),
@@ -55,7 +55,7 @@ def head_major(pool: Any) -> bool:
             and found[0] < found[1])
 
 
-def _preferred(pool: Any) -> str:
+def preferred(pool: Any) -> str:
     """The order the attention path of ``pool``'s library prefers for it, ``"token"`` where
     it has no path, states none, or the library keeps no strides."""
     from .. import backends

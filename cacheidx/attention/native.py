@@ -24,6 +24,7 @@ the core's products read the runs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -33,12 +34,13 @@ import sysconfig
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SOURCE", "kernel", "states"]
+__all__ = ["SOURCE", "kernel", "off", "states"]
 
 #: the most query rows (grouped heads x queries of a block) the kernel keeps scores for
 ROWS = 16
@@ -79,10 +81,8 @@ static inline void row(const uint8_t *restrict c, int d, int bits, float *restri
         for (int i = 0; i < d; i++) out[i] = (float)s[i];
     } else {
         int h = d / 2;
-        for (int i = 0; i < h; i++) {
-            out[i] = (float)(c[i] & 15) - 8.0f;
-            out[i + h] = (float)(c[i] >> 4) - 8.0f;
-        }
+        for (int i = 0; i < h; i++) out[i] = (float)(int)(c[i] & 15) - 8.0f;
+        for (int i = 0; i < h; i++) out[i + h] = (float)(int)(c[i] >> 4) - 8.0f;
     }
 }
 
@@ -184,6 +184,20 @@ def kernel() -> Any:
         if not _FOUND:
             _FOUND.append(_load())
     return _FOUND[0]
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Within it :func:`kernel` is ``None`` (in every thread): the libraries' products
+    read quantized runs (what the figures compare the kernel with)."""
+    with _LOCK:
+        kept = list(_FOUND)
+        _FOUND[:] = [None]
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _FOUND[:] = kept
 
 
 def _load() -> Any:

@@ -31,6 +31,7 @@ __all__ = [
     "attend",
     "empty_pools",
     "forward",
+    "kv_bits",
     "matmul",
     "random_params",
     "rms_norm",
@@ -153,7 +154,9 @@ def tree_map(f, tree, *more):
     if isinstance(tree, dict):
         return {k: tree_map(f, v, *(m[k] for m in more)) for k, v in tree.items()}
     if isinstance(tree, list | tuple):
-        return type(tree)(tree_map(f, *leaves) for leaves in zip(tree, *more, strict=True))
+        mapped = (tree_map(f, *leaves) for leaves in zip(tree, *more, strict=True))
+        # a named tuple (a quantized pool, cacheidx.quantized.Quantized) takes its fields
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
     return f(tree, *more)
 
 
@@ -201,8 +204,23 @@ def _namespace(xp):
     return array_namespace(m.zeros(1))
 
 
+#: the quantized pools ``empty_pools(kv=...)`` makes: their codes' width in bits
+KV = {"int8": 8, "int4": 4}
+
+
+def kv_bits(fn: str, kv) -> int | None:
+    """``kv`` checked: ``None`` (float pools), ``"int8"`` or ``"int4"``; its width in bits
+    (``None`` for float pools). Raises ``ValueError`` naming ``cacheidx.{fn}`` otherwise."""
+    if kv is None:
+        return None
+    if not isinstance(kv, str) or kv not in KV:
+        raise ValueError(f"cacheidx.{fn}: kv must be None (float pools), 'int8' or 'int4', "
+                         f"got {kv!r:.60}")
+    return KV[kv]
+
+
 def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device=None,
-                layout=None):
+                layout=None, kv=None):
     """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros
     (``slots`` a number, or a sequence of each layer's: layers whose windows differ keep pools
     of their own sizes, ``cacheidx.serve.groups``).
@@ -211,7 +229,24 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
     ``layout`` is the pools' memory order (:mod:`cacheidx.attention.layout`: ``"head"``,
     ``"token"``, or ``None`` for the order the library's attention path prefers: head-major
     for NumPy, and for torch on the CPU).
+
+    ``kv``: ``None``, float pools of that dtype; ``"int8"`` or ``"int4"``, each pool a
+    :class:`cacheidx.quantized.Quantized` of 8-bit or 4-bit codes and one scale per token
+    and kv head (:func:`cacheidx.quantized.zeros`), in the same namespace, device and
+    ``layout``; their scales are float32, or ``dtype`` where it is given (``like``'s dtype
+    is not theirs). A layer then stores each token's codes and scales, and reads back what
+    they stand for (:mod:`cacheidx.quantized`'s laws). Raises ``ValueError`` for another
+    ``kv``, and for ``"int4"`` with an odd ``head_dim`` (two codes a byte).
     """
+    fn = "models.llama.empty_pools"
+    bits = kv_bits(fn, kv)
+    if bits == 4 and config.head_dim % 2:
+        raise ValueError(f"cacheidx.{fn}: int4 packs two codes a byte, so head_dim must be "
+                         f"even, got {config.head_dim}")
+    if layout not in (None, *pool_layout.LAYOUTS):
+        raise ValueError(f"cacheidx.{fn}: layout must be one of {pool_layout.LAYOUTS} or "
+                         f"None, got {layout!r}")
+    scale_dtype = dtype
     if like is not None:
         xp = array_namespace(like) if xp is None else _namespace(xp)
         dtype = like.dtype if dtype is None else dtype
@@ -221,14 +256,30 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
         dtype = xp.float32 if dtype is None else dtype
     each = [slots] * config.layers if isinstance(slots, int | np.integer) else list(slots)
     if len(each) != config.layers:
-        raise ValueError(f"cacheidx.models.llama.empty_pools: {len(each)} pool sizes for "
-                         f"{config.layers} layers")
+        raise ValueError(f"cacheidx.{fn}: {len(each)} pool sizes for {config.layers} layers")
+    if bits is None:
+        def zeros(n):
+            return pool_layout.zeros(xp, n, config.kv_heads, config.head_dim, dtype=dtype,
+                                     device=device, layout=layout)
+    else:
+        from .. import quantized
 
-    def zeros(n):
-        return pool_layout.zeros(xp, n, config.kv_heads, config.head_dim, dtype=dtype,
-                                 device=device, layout=layout)
+        order = layout or quantized_layout(xp, config.kv_heads, config.head_dim, device)
+
+        def zeros(n):
+            return quantized.zeros(n, config.kv_heads, config.head_dim, bits=bits, xp=xp,
+                                   device=device, scale_dtype=scale_dtype, layout=order)
 
     return [(zeros(n), zeros(n)) for n in each]
+
+
+def quantized_layout(xp, kv_heads: int, head_dim: int, device=None) -> str:
+    """The memory order the library's attention path prefers for a quantized pool of
+    ``kv_heads`` heads of ``head_dim`` on ``device`` (:mod:`cacheidx.attention.layout`, as
+    ``layout=None`` resolves it for a float pool): asked of its empty codes."""
+    where = {} if device is None else {"device": device}
+    return pool_layout.preferred(xp.zeros((0, int(kv_heads), int(head_dim)), dtype=xp.int8,
+                                          **where))
 
 
 def _device(x):
@@ -341,7 +392,12 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     else:
         seen_k, kpool = index.extend(k, kpool, donate=donate)
         seen_v, vpool = index.extend(v, vpool, donate=donate)
-        o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
+        if seen_k.dtype == q.dtype:
+            o = attend(q, seen_k, seen_v, index.mask(), xp=xp, mantissa=m)
+        else:  # a quantized pool's seen is float32: attend in it, then back to the model's
+            o = attend(xp.astype(q, seen_k.dtype), seen_k, xp.astype(seen_v, seen_k.dtype),
+                       index.mask(), xp=xp, mantissa=m)
+            o = xp.astype(o, q.dtype)
     reduce = reduce or _same
     x = x + reduce(mm(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"]))
     h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)

@@ -154,9 +154,11 @@ class TorchGroup:
         return split(config, self.size), llama.tree_map(
             lambda w: w.contiguous() if isinstance(w, torch.Tensor) else w, placed)
 
-    def pools(self, config: llama.Config, slots: int, like: Any) -> list:
-        """This rank's pools, ``[slots, kv_heads, head_dim]`` of its split ``config``."""
-        return llama.empty_pools(config, slots, like=like)
+    def pools(self, config: llama.Config, slots: int, like: Any, kv: str | None = None
+              ) -> list:
+        """This rank's pools, ``[slots, kv_heads, head_dim]`` of its split ``config``; ``kv``
+        as :func:`cacheidx.models.llama.empty_pools` takes it (quantized pools)."""
+        return llama.empty_pools(config, slots, like=like, kv=kv)
 
     def map(self, step: Any) -> Any:
         """Every rank runs ``step`` on its own parts."""
@@ -223,16 +225,51 @@ class JaxGroup:
             np.asarray(w), NamedSharding(self.mesh, self._spec(axis))), params, cuts(params))
         return local, placed
 
-    def pools(self, config: llama.Config, slots: int, like: Any = None) -> list:
+    def pools(self, config: llama.Config, slots: int, like: Any = None, kv: str | None = None
+              ) -> list:
         """Pools of every device's key-value heads, ``[slots, size * kv_heads, head_dim]`` for
-        one device's ``config``, cut on the heads."""
+        one device's ``config``, cut on the heads. With ``kv`` (``"int8"``, ``"int4"``: as
+        :func:`cacheidx.models.llama.empty_pools` takes it) each is a quantized pool, its
+        codes and its scales cut on the heads alike."""
         import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
 
-        dtype = jnp.float32 if like is None else like.dtype
-        shape = (slots, self.size * config.kv_heads, config.head_dim)
-        return [(jnp.zeros(shape, dtype, device=self.cut), jnp.zeros(shape, dtype,
-                                                                     device=self.cut))
-                for _ in range(config.layers)]
+        fn = "parallel.JaxGroup.pools"
+        bits = llama.kv_bits(fn, kv)
+        heads = self.size * config.kv_heads
+        if bits is None:
+            dtype = jnp.float32 if like is None else like.dtype
+            shape = (slots, heads, config.head_dim)
+            return [(jnp.zeros(shape, dtype, device=self.cut), jnp.zeros(shape, dtype,
+                                                                         device=self.cut))
+                    for _ in range(config.layers)]
+        from ..quantized import Quantized
+
+        if bits == 4 and config.head_dim % 2:
+            raise ValueError(f"cacheidx.{fn}: int4 packs two codes a byte, so head_dim must be "
+                             f"even, got {config.head_dim}")
+        code = jnp.int8 if bits == 8 else jnp.uint8
+        width = config.head_dim if bits == 8 else config.head_dim // 2
+        rows = NamedSharding(self.mesh, PartitionSpec(None, self.axis))
+
+        def zeros() -> Quantized:
+            return Quantized(jnp.zeros((slots, heads, width), code, device=self.cut),
+                             jnp.zeros((slots, heads), jnp.float32, device=rows))
+
+        return [(zeros(), zeros()) for _ in range(config.layers)]
+
+    def _pool_specs(self, pools: list) -> list:
+        """Each pool's cut on the heads (a quantized pool's codes and scales each its own)."""
+        from jax.sharding import PartitionSpec
+
+        from ..quantized import Quantized
+
+        def spec(pool: Any) -> Any:
+            if isinstance(pool, Quantized):
+                return Quantized(self.cut.spec, PartitionSpec(None, self.axis))
+            return self.cut.spec
+
+        return [tuple(spec(p) for p in pair) for pair in pools]
 
     def map(self, step: Any) -> Any:
         """``step(params, tokens, index, pools) -> (logits, pools)`` over the mesh: each device
@@ -249,8 +286,9 @@ class JaxGroup:
 
         def run(params: dict, tokens: Any, index: Any, pools: list) -> Any:
             specs = llama.tree_map(lambda _, axis: self._spec(axis), params, cuts(params))
-            return shard_map(step, mesh=self.mesh, in_specs=(specs, whole, whole, self.cut.spec),
-                             out_specs=(whole, self.cut.spec))(params, tokens, index, pools)
+            cut = self._pool_specs(pools)
+            return shard_map(step, mesh=self.mesh, in_specs=(specs, whole, whole, cut),
+                             out_specs=(whole, cut))(params, tokens, index, pools)
 
         return run
 

@@ -5,6 +5,7 @@ its prefix cache.
     python -m cacheidx.serve REQUESTS.jsonl [--model PATH] [--backend B] [--device D]
                              [--pages N] [--page-size P] [--max-new-tokens N] [--no-cache]
                              [--json] [--lanes L] [--chunk C] [--compile | --eager]
+                             [--kv int8|int4]
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
 "content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
@@ -18,6 +19,11 @@ object: ``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and gener
 ``save_pretrained`` wrote or a GGUF file. Its tokenizer's chat template makes the messages'
 ids; without a tokenizer, requests give ``"prompt_ids"``. A turn ends at its
 ``generation_config.eos_token_id``.
+
+``--kv int8`` (or ``int4``) keeps the keys and values in quantized pools
+(:mod:`cacheidx.quantized`: 8-bit or 4-bit codes and a float32 scale per token and kv head,
+``Engine(kv=...)``); the default pool's cap then counts their smaller pages: as many as fit
+in the bytes of ``MOST_PAGES`` float pages.
 
 A request fails alone: a line that is no request (not JSON, a field of the wrong type or out
 of range, a message that is no Unicode text), a token id past the model's vocabulary, more
@@ -113,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu, gpu, cuda, gpu:N or cuda:N (default: the backend's own)")
     p.add_argument("--pages", type=arguments.positive_arg, default=None,
                    help="pages in the pool of each group of layers of one window (default: "
-                   f"every request's pages, at most {MOST_PAGES}; a sliding group's, one "
-                   "window's at least)")
+                   f"every request's pages, at most {MOST_PAGES} (--kv: as many as fit in "
+                   "their bytes); a sliding group's, one window's at least)")
     p.add_argument("--page-size", type=arguments.positive_arg, default=16)
     p.add_argument("--max-new-tokens", type=arguments.positive_arg, default=32,
                    help="for each request without its own max_new_tokens")
@@ -127,7 +133,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compile the step with the backend's jit (jax compiles by default)")
     p.add_argument("--eager", action="store_true", help="never compile")
+    p.add_argument("--kv", choices=("int8", "int4"), default=None,
+                   help="keep keys and values quantized: 8-bit or 4-bit codes and a float32 "
+                   "scale per token and kv head (default: float pools)")
     return p
+
+
+def most_pages(model: Any, kv: str | None) -> int:
+    """The default pool's cap: :data:`MOST_PAGES` float pages, or with ``kv`` as many
+    quantized pages as fit in their bytes (where the model says its ``token_bytes``)."""
+    size = getattr(model, "token_bytes", None)
+    if kv is None or size is None:
+        return MOST_PAGES
+    return MOST_PAGES * size(None) // size(kv)
 
 
 def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = smollm2) -> int:
@@ -200,8 +218,9 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     longest = getattr(what.model, "context", None)
     pages = pools = args.pages
     if pages is None:  # a sliding group's pool holds one window at least (Engine's law 5)
-        pages = min(MOST_PAGES, max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1)
-                                             // args.page_size) for r in requests)))
+        pages = min(most_pages(what.model, args.kv),
+                    max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // args.page_size)
+                               for r in requests)))
         pools = groups.pools(pages, args.page_size, longest)
     compile = args.compile or (args.backend == "jax" and not args.eager)
     sizes = ("; ".join(f"{n} pages for window {w}" for w, n in pools.items())
@@ -209,7 +228,8 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     say(f"{what.name} loaded in {time.perf_counter() - t0:.1f}s; {len(requests)} requests "
         f"({len(lines) - len(requests)} bad lines) on {args.backend}"
         f"{', ' + args.device if args.device else ''}{', compiled' if compile else ''}; "
-        f"{sizes} of {args.page_size} tokens, cache {'off' if args.no_cache else 'on'}")
+        f"{sizes} of {args.page_size} tokens, cache {'off' if args.no_cache else 'on'}"
+        f"{', kv ' + args.kv if args.kv else ''}")
     # compiled, one shape for each kind of call (two programs to build, which for 30 layers
     # is most of a short run), as wide as the longest request the pool and the model hold
     # (only full layers' pages limit a request)
@@ -221,7 +241,7 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
         engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
                         pages=pools, page_size=args.page_size, lanes=args.lanes,
                         chunk=args.chunk, cache=not args.no_cache,
-                        shapes="fixed" if compile else None, context=context)
+                        shapes="fixed" if compile else None, context=context, kv=args.kv)
     except ValueError as e:  # an unknown device (say what exists), a pool below one window
         say(str(e))
         return 2

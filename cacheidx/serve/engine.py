@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arguments as arguments
+from ..models import llama
 from ..prefix.cache import PrefixCache, lru
 from ..prefix.reach import window_pages
 from .groups import Groups, windows_told
@@ -86,10 +87,20 @@ class Engine:
     5). ``pages`` is then each group's pool, or a mapping from each group's window to its
     pool's pages; ``[None] * layers`` keeps one table for every layer.
 
+    ``kv`` is how the pools hold keys and values: ``None``, the model's float pools;
+    ``"int8"`` or ``"int4"``, quantized pools (8-bit or 4-bit codes and one float32 scale per
+    token and kv head, :mod:`cacheidx.quantized`), made by ``model.pools(weights, slots,
+    kv=kv)``. Every law holds of them unchanged (a prefix hit reads the codes and scales its
+    first request stored); the tokens are those of float pools holding each stored value's
+    round trip (:func:`cacheidx.quantized.roundtrip`). A row of ``d`` elements then takes
+    ``d + 4`` bytes (int8) or ``d / 2 + 4`` (int4) against float32's ``4 * d``
+    (:func:`cacheidx.serve.model.token_bytes`).
+
     Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
-    that is not a positive integer (``pages`` may be 0), a window below the model's own, or a
+    that is not a positive integer (``pages`` may be 0), a window below the model's own, a
     pool that cannot hold one window of its sliding group (nor one request of the most
-    tokens a request holds, where that is fewer pages)."""
+    tokens a request holds, where that is fewer pages), a ``kv`` other than those three, or
+    a ``kv`` with an ``executor`` (which makes its own pools)."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool | str = False, pages: int = 256,
@@ -97,9 +108,13 @@ class Engine:
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
                  clock: str = "seconds", shapes: str | None = None,
                  context: int | None = None, debug: bool = False,
-                 windows: Any = None):
+                 windows: Any = None, kv: str | None = None):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
+        llama.kv_bits(_WHERE, kv)
+        if kv is not None and executor is not None:
+            raise ValueError(f"cacheidx.serve.Engine: kv={kv!r} is for the engine's own step; "
+                             "an executor makes its own pools")
         if clock not in ("seconds", "steps"):
             raise ValueError(f"cacheidx.serve.Engine: clock must be 'seconds' or 'steps', got "
                              f"{clock!r}")
@@ -126,8 +141,9 @@ class Engine:
                             else counts[0] * page_size,
                             lanes=lanes, chunk=self.scheduler.chunk, page_size=page_size,
                             keep_logits=keep_logits, shapes=shapes, debug=debug,
-                            groups=self.groups if several else None)
+                            groups=self.groups if several else None, kv=kv)
         self.executor = executor
+        self.kv = kv
         self.clock = clock
         self._pending: list[tuple[float, int, Request]] = []
         self._refused: list[Result] = []  # failed when submitted, reported by the next step

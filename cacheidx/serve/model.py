@@ -8,7 +8,17 @@ from typing import Any, Protocol
 
 from ..models import llama
 
-__all__ = ["LlamaModel", "Model", "ShardedModel"]
+__all__ = ["LlamaModel", "Model", "ShardedModel", "token_bytes"]
+
+
+def token_bytes(kv_heads: int, head_dim: int, kv: str | None = None, itemsize: int = 4) -> int:
+    """The bytes one token takes in one layer's key and value pools: ``2 * kv_heads`` rows of
+    ``head_dim`` elements of ``itemsize`` bytes (float32: 4); quantized (``kv`` ``"int8"``
+    or ``"int4"``), ``head_dim`` or ``head_dim / 2`` bytes of codes and a float32 scale a
+    row."""
+    bits = llama.kv_bits("serve.token_bytes", kv)
+    row = head_dim * itemsize if bits is None else head_dim * bits // 8 + 4
+    return 2 * int(kv_heads) * int(row)
 
 
 class Model(Protocol):
@@ -23,9 +33,13 @@ class Model(Protocol):
     def place(self, xp: Any, device: Any) -> Any:
         """The weights as arrays of namespace ``xp`` on ``device``."""
 
-    def pools(self, weights: Any, slots: Any) -> Any:
-        """Empty pools of ``slots`` slots beside ``weights`` (a list of tuples of arrays);
-        ``slots`` is a list of each layer's where the model says ``windows``."""
+    def pools(self, weights: Any, slots: Any, kv: str | None = None) -> Any:
+        """Empty pools of ``slots`` slots beside ``weights`` (a list of tuples of arrays, or
+        of :class:`cacheidx.quantized.Quantized` pools); ``slots`` is a list of each layer's
+        where the model says ``windows``. ``kv`` is ``None`` (float pools), ``"int8"`` or
+        ``"int4"`` (quantized pools, :func:`cacheidx.models.llama.empty_pools`); the engine
+        passes it only when it is given one, so a model of float pools alone may take no
+        ``kv`` at all."""
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         """``(logits, pools)``: ``logits`` ``[batch, vocab]`` of each lane's last token of
@@ -47,8 +61,13 @@ class LlamaModel:
     def place(self, xp: Any, device: Any) -> Any:
         return llama.convert(self.params, xp=xp, device=device)
 
-    def pools(self, weights: Any, slots: Any) -> Any:
-        return llama.empty_pools(self.config, slots, like=weights["embed"])
+    def pools(self, weights: Any, slots: Any, kv: str | None = None) -> Any:
+        return llama.empty_pools(self.config, slots, like=weights["embed"], kv=kv)
+
+    def token_bytes(self, kv: str | None = None) -> int:
+        """The bytes one token takes in every layer's pools, float32 or ``kv``'s."""
+        c = self.config
+        return c.layers * token_bytes(c.kv_heads, c.head_dim, kv)
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         logits, pools = llama.forward(weights, self.config, tokens, index, pools, donate=True,
@@ -80,8 +99,13 @@ class ShardedModel:
         self.local, weights = self.group.shard(self.config, self.params)
         return weights
 
-    def pools(self, weights: Any, slots: int) -> Any:
-        return self.group.pools(self.local, slots, like=weights["embed"])
+    def pools(self, weights: Any, slots: int, kv: str | None = None) -> Any:
+        return self.group.pools(self.local, slots, like=weights["embed"], kv=kv)
+
+    def token_bytes(self, kv: str | None = None) -> int:
+        """The bytes one token takes in every layer's pools, over every rank."""
+        c = self.config
+        return c.layers * token_bytes(c.kv_heads, c.head_dim, kv)
 
     def _share(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         return llama.forward(weights, self.local, tokens, index, pools, donate=True, last=True,

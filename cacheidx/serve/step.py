@@ -28,11 +28,17 @@ Laws of :class:`Step`:
    hands one table per group; the call makes one index per group over the same positions
    and row map, and the model is given one index per layer, its group's, and pools of its
    group's slots. Without, the model is given one index, as it always was.
+7. With ``kv`` (``"int8"``, ``"int4"``) the model makes its pools quantized
+   (``model.pools(weights, slots, kv=kv)``: :class:`cacheidx.quantized.Quantized` pools of
+   codes and scales, a named tuple every ``tree_map``, compiler and ``Backend.refill``
+   takes as two arrays). Every law above holds of them unchanged: a page's scales sit at its
+   slots, so a prefix hit reads the codes and scales its first request stored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from typing import Any
 
@@ -42,6 +48,7 @@ import cacheidx as ci
 
 from .. import devices
 from ..devices import to_host
+from ..models import llama
 from ..models.llama import tree_map
 from .groups import Groups
 from .scheduler import Batch
@@ -83,12 +90,14 @@ class Step:
     ``slots`` slots, for ``lanes`` rows and prefill chunks of at most ``chunk`` tokens. With
     ``groups`` (law 6), ``slots`` is a list of each group's. ``compile``: ``True`` for the
     backend's compiler, or the name of one where the library has several (torch.compile's
-    ``"aot_eager"``, say)."""
+    ``"aot_eager"``, say). ``kv``: ``None``, the model's float pools; ``"int8"`` or
+    ``"int4"``, quantized pools (law 7)."""
 
     def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
                  compile: bool | str = False, slots: int | list[int], lanes: int, chunk: int,
                  page_size: int, keep_logits: bool = False, shapes: str | None = None,
-                 debug: bool = False, groups: Groups | None = None):
+                 debug: bool = False, groups: Groups | None = None, kv: str | None = None):
+        llama.kv_bits("serve.Step", kv)
         shapes = shapes or ("buckets" if compile else "exact")
         if shapes not in ("exact", "buckets", "fixed"):
             raise ValueError(f"cacheidx.serve.Step: shapes must be 'exact', 'buckets' or "
@@ -104,12 +113,12 @@ class Step:
         self.keep_logits, self.debug = keep_logits, bool(debug)
         info = getattr(self.xp, "__array_namespace_info__", None)
         self.int = info().default_dtypes()["integral"] if info else self.xp.int64
-        self.model, self.groups = model, groups
+        self.model, self.groups, self.kv = model, groups, kv
         self.weights = model.place(self.xp, self.device)
         if groups is None:
-            self.pools = model.pools(self.weights, slots)
+            self.pools = _pools(model, self.weights, slots, kv)
         else:
-            self.pools = model.pools(self.weights, [slots[g] for g in groups.of_layer])
+            self.pools = _pools(model, self.weights, [slots[g] for g in groups.of_layer], kv)
             slots = max(slots)
         pages = len(buckets(max(1, -(-slots // page_size))))
         lane_sizes, token_sizes = len(buckets(lanes)), len(buckets(chunk, 16))
@@ -122,7 +131,7 @@ class Step:
             self.pools = tree_map(be.fix, self.pools)
             most = max(self.bound.values()) if self.bound else 64
             self._prefill, self._decode = _compiled(
-                model, be, most, groups, compile if isinstance(compile, str) else None)
+                model, be, most, groups, compile if isinstance(compile, str) else None, kv)
         else:
             # eagerly, nothing recorded for differentiation (torch: its fast linear layers)
             self._prefill, self._decode = map(be.inference, _steps(model, self.xp, groups))
@@ -220,6 +229,22 @@ class Step:
         return array
 
 
+def _pools(model: Any, weights: Any, slots: Any, kv: str | None) -> Any:
+    """The model's empty pools (law 7): ``kv`` passed on only where it is given, so a model
+    of float pools alone need not take it; one that takes no ``kv`` is refused by name."""
+    if kv is None:
+        return model.pools(weights, slots)
+    try:
+        given = inspect.signature(model.pools).parameters
+        takes = "kv" in given or any(p.kind is p.VAR_KEYWORD for p in given.values())
+    except (TypeError, ValueError):  # no signature to read: let the call say
+        takes = True
+    if not takes:
+        raise ValueError(f"cacheidx.serve.Step: {type(model).__name__}.pools takes no kv, so "
+                         f"it makes no quantized pools (kv={kv!r})")
+    return model.pools(weights, slots, kv=kv)
+
+
 def _steps(model: Any, xp: Any, groups: Groups | None = None) -> tuple[Any, Any]:
     """The two programs: prefill gives each lane's next token and logits; decode gives also
     the positions of the next call (law 4). With ``groups`` the index is one per group, and
@@ -247,11 +272,12 @@ _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None,
-              compiler: str | None = None) -> tuple[Any, Any]:
+              compiler: str | None = None, kv: str | None = None) -> tuple[Any, Any]:
     """The model's two steps compiled for ``backend``, once per process (an engine made again
-    for the same model finds its programs built), room for ``programs`` shapes each."""
+    for the same model finds its programs built), room for ``programs`` shapes each; pools of
+    another ``kv`` are programs of their own."""
     kept = _PROGRAMS.setdefault(model, {})
-    key = (backend.name, compiler, groups)
+    key = (backend.name, compiler, groups, kv)
     have = kept.get(key)
     if have is None or have[0] < programs:
         prefill, decode = _steps(model, backend.xp, groups)

@@ -4,6 +4,7 @@
     cit.register()                         # "cacheidx", in transformers' AttentionInterface
     engine = Engine(cit.model(hf_model), backend="torch", pages=512)
     cit.generate(hf_model, prompts, max_new_tokens=16)   # greedy tokens through the Engine
+    cit.generate(hf_model, prompts, kv="int8")           # ... over int8 pools
 
 transformers passes a decoder's extra forward keywords down to its attention function; the
 function registered here reads the call's cache index and the pools from them and attends
@@ -50,13 +51,15 @@ def stop_ids(hf_model: Any) -> frozenset[int]:
 
 def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
              page_size: int = 16, pages: int | None = None, cache: bool = True,
-             **engine_options: Any) -> list[list[int]]:
+             kv: str | None = None, **engine_options: Any) -> list[list[int]]:
     """Greedy tokens of each prompt (a sequence of token ids) through
     :class:`cacheidx.serve.Engine` on the torch backend, on ``hf_model``'s device: paged pools
     of ``pages`` pages of ``page_size`` tokens (``None``: every prompt's pages), prompts'
     prefixes read from the prefix cache (``cache``), chunked prefill and continuous batching
     (``engine_options``: ``lanes``, ``chunk``, ``compile``, ...); a sliding group's pool
-    holds one window at least. A prompt stops after
+    holds one window at least. ``kv``: ``None``, pools in the model's dtype; ``"int8"`` or
+    ``"int4"``, quantized pools (:mod:`cacheidx.quantized`: 8-bit or 4-bit codes and a
+    float32 scale per token and kv head, ``Engine(kv=...)``). A prompt stops after
     ``max_new_tokens`` tokens or at an id of :func:`stop_ids` (kept).
 
     Any number of threads may call it on one model at once, each getting the tokens it gets
@@ -65,11 +68,15 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
     attention otherwise), and the last call to return, raising or not, sets it back to what the
     first found (:class:`~.served.TransformersModel`, law 3). Raises ``TypeError`` or
     ``ValueError`` naming the prompt for one that is no sequence of ids or that the engine
-    cannot serve, and :class:`~.served.TransformersModel`'s errors for a model it cannot."""
+    cannot serve, ``ValueError`` naming the function for another ``kv``, and
+    :class:`~.served.TransformersModel`'s errors for a model it cannot."""
     from ... import backends
+    from ...models.llama import kv_bits
     from ...serve import Engine, Request
     from ...serve.groups import Groups
     from ...serve.requests import checked
+
+    kv_bits(_WHERE.removeprefix("cacheidx."), kv)
 
     stop = stop_ids(hf_model)
     requests = []
@@ -89,7 +96,8 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
                            for r in requests)), page_size)
         device = backends.get("torch").device_label(next(hf_model.parameters()).device)
         engine = Engine(served, backend="torch", device=engine_options.pop("device", device),
-                        pages=pages, page_size=page_size, cache=cache, **engine_options)
+                        pages=pages, page_size=page_size, cache=cache, kv=kv,
+                        **engine_options)
         results = engine.run(requests)
     finally:
         served.restore()

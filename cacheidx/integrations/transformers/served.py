@@ -7,7 +7,8 @@ Laws:
    the index's positions as ``position_ids``, no transformers cache and no mask built (a 4D
    placeholder transformers takes as prepared, never read), the last token's logits only;
    every layer attends over its own pools (``[slots, kv_heads, head_dim]``, the model's
-   dtype, one key and one value pool a layer) and the pools it wrote come back. ``index`` is
+   dtype, one key and one value pool a layer; or quantized pools, ``pools(..., kv="int8")``
+   or ``"int4"``, :mod:`cacheidx.quantized`) and the pools it wrote come back. ``index`` is
    the index every layer reads, or a list of each layer's (the engine's table of the layer's
    group, ``cacheidx.serve.groups``); ``slots`` of :meth:`~TransformersModel.pools` a number
    or a list of each layer's.
@@ -38,6 +39,7 @@ from . import attention as attn  # the module (the package exports no function b
 __all__ = ["TransformersModel", "shape_of"]
 
 _WHERE = "cacheidx.integrations.transformers.model"  # (the function users call)
+_POOLS = "integrations.transformers.TransformersModel.pools"
 _HOLDING = threading.Lock()  # taking and giving back a hold: never held during a call
 
 
@@ -129,19 +131,42 @@ class TransformersModel:
         self.hf.to(device)
         return dict(self.hf.named_parameters())
 
-    def pools(self, weights: Any, slots: Any) -> Any:
+    def pools(self, weights: Any, slots: Any, kv: str | None = None) -> Any:
         """One ``(keys, values)`` pair of zeros a layer, ``[slots, kv_heads, head_dim]``, in the
         model's dtype on its device (``slots`` a number, or a list of each layer's), laid out as
-        :mod:`cacheidx.attention.layout` chooses (head-major on the CPU)."""
+        :mod:`cacheidx.attention.layout` chooses (head-major on the CPU). With ``kv``
+        (``"int8"``, ``"int4"``) each is a :class:`cacheidx.quantized.Quantized` pool of codes
+        and float32 scales, laid out alike; its attention's output is in the model's dtype.
+        Raises ``ValueError`` naming the function for another ``kv``, and for ``"int4"`` with
+        an odd ``head_dim``."""
         import array_api_compat.torch as xp
 
+        from ... import quantized
         from ...attention import layout
+        from ...models import llama
 
+        bits = llama.kv_bits(_POOLS, kv)
+        if bits == 4 and self.head_dim % 2:
+            raise ValueError(f"cacheidx.{_POOLS}: int4 packs two codes a byte, so head_dim "
+                             f"must be even; {self.name}'s is {self.head_dim}")
         p = next(self.hf.parameters())
         each = [slots] * self.layers if isinstance(slots, int) else list(slots)
-        return [tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim, dtype=self.hf.dtype,
-                                   device=p.device) for _ in "kv")
+        if bits is None:
+            return [tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim, dtype=self.hf.dtype,
+                                       device=p.device) for _ in "kv")
+                    for n in each]
+        order = llama.quantized_layout(xp, self.kv_heads, self.head_dim, p.device)
+        return [tuple(quantized.zeros(n, self.kv_heads, self.head_dim, bits=bits, xp=xp,
+                                      device=p.device, layout=order) for _ in "kv")
                 for n in each]
+
+    def token_bytes(self, kv: str | None = None) -> int:
+        """The bytes one token takes in every layer's pools: the model's dtype, or ``kv``'s
+        codes and scales."""
+        from ...serve.model import token_bytes
+
+        size = self.hf.dtype.itemsize
+        return self.layers * token_bytes(self.kv_heads, self.head_dim, kv, itemsize=size)
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         """``(logits [batch, vocab], pools)``: law 1."""
