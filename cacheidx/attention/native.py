@@ -42,7 +42,8 @@ import numpy as np
 
 __all__ = ["SOURCE", "kernel", "off", "states"]
 
-#: the most query rows (grouped heads x queries of a block) the kernel keeps scores for
+#: the most query rows (grouped heads x queries of a block, x lanes where they share a
+#: prefix) the kernel keeps scores for
 ROWS = 16
 #: columns the kernel weighs at a time
 BLOCK = 64

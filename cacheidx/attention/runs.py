@@ -16,6 +16,21 @@ weighed without a mask. The law is the same as the tiles': the mask of a block i
 own index's ``mask`` (a one-lane index cut from the call's), so a tile holds what ``extend``'s
 seen and ``mask`` hold there.
 
+**Shared prefixes are read once.** Lanes whose tables name the same slots at their first
+columns (a prompt's pages shared through the prefix cache, a forked beam, parallel samples)
+read those columns together: the plan finds, per group of lanes whose first columns name one
+slot, the columns from 0 at which all of them name the same slots and every query of each sees
+the column (:func:`sharing`); where that prefix holds at least :data:`SHARED` columns, its runs
+are read once for all the group's lanes, their queries stacked as one lane's heads, each kv
+head's product over a piece serving all of them (Hydragen's and FlashInfer's cascade), and each
+lane's state over it is merged exactly into the state over its own columns
+(:meth:`~cacheidx.attention.softmax.Online.merge`). The law is attend's own; only the order of
+the sums changes. A lane whose window starts inside the prefix, a padding lane, a prefix with a
+hole (its columns up to the hole are shared), a call of more than :data:`ROWS` tokens a lane
+(a long prefill) read their columns as their own. The standard's tiles and JAX's program do
+not share (each lane reads its columns; the law holds the same); torch's compiled operator runs
+this code, so it does.
+
 A lane at a time, not all lanes as one strided view: where lanes' runs sit a fixed stride
 apart (``rows`` of one length) they could be, but the products over a view whose lanes lie
 far apart run slower than one per lane (measured: a fifth slower for 8 lanes of 4,096).
@@ -23,7 +38,9 @@ far apart run slower than one per lane (measured: a fifth slower for 8 lanes of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,7 +52,7 @@ from ..quantized import Quantized
 from . import layout, paths
 from .softmax import Online, group, ungroup
 
-__all__ = ["read"]
+__all__ = ["SHARED", "read", "sharing", "unshared"]
 
 #: queries a block holds: a long prefill's scores stay within bounds with wide column tiles
 ROWS = 256
@@ -61,24 +78,62 @@ class _Piece(NamedTuple):
 _Blocks = list[tuple[int, int, list[_Piece]]]
 
 
+class _Group(NamedTuple):
+    """Lanes whose tables name the same slots at columns ``0:width``, every one of their
+    queries seeing every one of those columns: their queries read those columns together, each
+    piece once (a shared prefix), and each lane reads its own columns from ``width`` on."""
+
+    lanes: tuple[int, ...]
+    width: int
+    pieces: list[_Piece]
+
+
+class _Runs(NamedTuple):
+    """A call's runs: each lane's blocks of its own pieces, and the groups sharing a prefix."""
+
+    lanes: list[_Blocks]
+    groups: list[_Group]
+
+
+#: the fewest columns a shared prefix must hold to be read once for its lanes (below, each
+#: lane reads it as its own: docs/attention.md, "Shared prefixes")
+SHARED = 64
+_SHARING = [True]
+
+
+@contextlib.contextmanager
+def unshared() -> Iterator[None]:
+    """Within it, every lane reads a shared prefix as its own (what the figures compare with).
+    A plan made within it keeps its lanes apart (it is kept under a key of its own)."""
+    _SHARING.append(False)
+    try:
+        yield
+    finally:
+        _SHARING.pop()
+
+
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + size)) for a in range(0, n, size)]
 
 
-def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
-          ) -> list[_Blocks] | None:
-    """Each lane's blocks and pieces over pools of ``n`` slots, or ``None`` where some lane's
-    seen columns are not a few runs of slots inside the pool. Worked out on the host, on a
-    NumPy copy of the index: the laws' own helpers, with no device round trip per piece."""
+def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: bool
+          ) -> _Runs | None:
+    """Each lane's blocks and pieces over pools of ``n`` slots, and (with ``share``) the groups
+    of lanes sharing a prefix, or ``None`` where some lane's seen columns are not a few runs of
+    slots inside the pool. Worked out on the host, on a NumPy copy of the index: the laws' own
+    helpers, with no device round trip per piece."""
     on_host = _host_index(index)
     table, some = on_host.lane_table, on_host.seen_by_some()
     width = int(table.shape[1])
     # a short call's whole mask at once (a decode step's is [batch, 1, width]); a long one's
     # per piece, so that the host never holds [batch, seq, width]
     whole = on_host.mask() if index.batch * index.seq * width <= 1 << 22 else None
+    groups = _groups(table, some, whole, n, index.seq, heads, scores, tile) if share else []
+    own = {b: g.width for g in groups for b in g.lanes}  # a lane's first column of its own
     lanes = []
     for b in range(index.batch):
         cols = np.flatnonzero(some[b])
+        cols = cols[cols >= own.get(b, 0)]
         slots = table[b, cols]
         if not np.all(inside(slots, n)):
             return None  # a hole or a dropped slot: the tiles read it as zero
@@ -106,19 +161,67 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
             blocks.append((i0, i1, pieces))
         lanes.append(blocks)
-    return lanes
+    return _Runs(lanes, groups)
 
 
-def carry(index: Any, nxt: Any, key: tuple, lanes: Any) -> list[_Blocks] | None:
+def sharing(index: Any, n: int, heads: int, tile: int | None = None,
+            scores: int | None = None) -> list[tuple[tuple[int, ...], int]]:
+    """The groups of lanes of ``index`` (eager) whose shared prefix a call over pools of ``n``
+    slots with ``heads`` query heads reads once: each group's lanes and its shared columns
+    ``0:width`` (what the plan finds; empty where nothing is shared)."""
+    from . import SCORES
+
+    found = _plan(index, n, scores or SCORES, heads, tile, True)
+    return [] if not found else [(g.lanes, g.width) for g in found.groups]
+
+
+def _groups(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
+            heads: int, scores: int, tile: int | None) -> list[_Group]:
+    """The groups of lanes that share a prefix (:class:`_Group`): lanes whose first columns
+    name the same slot, and of them the columns from 0 at which all name the same slots inside
+    the pool and every query of each sees the column; a group holding at least :data:`SHARED`
+    such columns and two lanes. A call of one block of queries a lane (a decode step, a short
+    chunk: at most :data:`ROWS` tokens) whose whole mask the host holds; none otherwise."""
+    if whole is None or seq > ROWS or table.shape[1] < SHARED:
+        return []
+    seen = whole.all(axis=1) & some & inside(table, n)  # [batch, width]: all a lane's see it
+    by: dict[int, list[int]] = {}
+    for b in np.flatnonzero(seen[:, 0]):
+        by.setdefault(int(table[b, 0]), []).append(int(b))
+    groups = []
+    for lanes in by.values():
+        if len(lanes) < 2:
+            continue
+        same = np.all(table[lanes] == table[lanes[:1]], axis=0) & np.all(seen[lanes], axis=0)
+        width = int(same.size if same.all() else np.argmin(same))
+        if width < SHARED:
+            continue
+        slots = table[lanes[0], :width]
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        if breaks.size >= MOST_RUNS:
+            continue  # a prefix of scattered pages: each lane's tiles read it
+        size = tile or max(16, scores // (len(lanes) * seq * heads))
+        pieces = [_Piece(c0 + p0, c0 + p1, int(slots[c0]) + p0, True)
+                  for c0, c1 in zip(np.r_[0, breaks].astype(int), np.r_[breaks, width].astype(int))
+                  for p0, p1 in _spans(int(c1 - c0), size)]
+        groups.append(_Group(tuple(lanes), width, pieces))
+    return groups
+
+
+def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
     """The runs of ``nxt = index.advance()`` from ``index``'s, where they follow: a decode step
     after a decode step (one token a lane, no window, positions not blocks), each lane's one
-    new column continuing its last run (its slot the next one) or a lane's first. The new
-    column is seen by the lane's only token, as every column before it is: every piece is
-    read whole. ``None`` (the runs found anew) wherever that is not so."""
-    n, scores, heads, tile = key
-    if (not lanes or index.seq != 1 or nxt.seq != 1 or index.block != 1
+    new column continuing its last run of its own (its slot the next one) or starting its
+    first, past any prefix it shares (the groups then stay as they were: their columns are
+    still seen by every token). The new column is seen by the lane's only token, as every
+    column before it is: every piece is read whole. ``None`` (the runs found anew) wherever
+    that is not so."""
+    n, scores, heads, tile, _ = key
+    if (not runs or index.seq != 1 or nxt.seq != 1 or index.block != 1
             or index.window_size is not None):
         return None
+    lanes, groups = runs
+    own = {b: g.width for g in groups for b in g.lanes}
     on_host = _host_index(nxt)
     table, pos = on_host.lane_table, on_host.pos[:, 0]
     width, size = int(table.shape[1]), tile or max(16, scores // heads)
@@ -130,8 +233,10 @@ def carry(index: Any, nxt: Any, key: tuple, lanes: Any) -> list[_Blocks] | None:
             return None
         s = int(table[b, c])
         last = pieces[-1] if pieces else None
-        if last is None and c == 0:
-            pieces = [_Piece(0, 1, s, True)]
+        if c < own.get(b, 0):
+            return None  # a new column inside a shared prefix (lanes naming one sequence)
+        if last is None and c == own.get(b, 0):
+            pieces = [_Piece(c, c + 1, s, True)]
         elif last is not None and last.c1 == c and last.s0 + (c - last.c0) == s:
             grown = last.c1 - last.c0 < size
             pieces = pieces[:-1] + [last._replace(c1=c + 1)] if grown else [
@@ -139,7 +244,7 @@ def carry(index: Any, nxt: Any, key: tuple, lanes: Any) -> list[_Blocks] | None:
         else:
             return None  # a new run: found anew, with the runs' bound
         out.append([(i0, i1, pieces)])
-    return out
+    return _Runs(out, groups)
 
 
 plans.CARRY["runs"] = carry
@@ -173,29 +278,70 @@ def read(call: Any, scores: int) -> Any | None:
         return None
     heads = int(q.shape[2])
 
-    lanes = index.planned("runs", (n, scores, heads, call.tile),
-                          lambda: _plan(index, n, scores, heads, call.tile) or ())
-    if not lanes:
+    share = _SHARING[-1]
+    runs = index.planned("runs", (n, scores, heads, call.tile, share),
+                         lambda: _plan(index, n, scores, heads, call.tile, share) or ())
+    if not runs:
         return None
+    lanes, groups = runs
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
     grouped = group(xp, q, "lane", kv, call.scale)  # [batch, kv, g, seq, d], once for all
     # a head-major pool's heads are each a contiguous block: a product streams one whole
     interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
     products = paths.products(index.backend, kpool, vpool)
+    shared: dict[int, list[tuple[Any, Any, Any]]] = {}
+    for g in groups:  # each shared prefix read once, for all its lanes
+        for b, state in zip(g.lanes, _shared(call, g, grouped, dv, interleaved, products)):
+            shared.setdefault(b, []).append(state)
     out = xp.concat([_lane(call, lambda b=b: _one_lane(index, b), blocks,
-                           grouped[b:b + 1, ...], dv, interleaved, products)
+                           grouped[b:b + 1, ...], dv, interleaved, products, shared.get(b, ()))
                      for b, blocks in enumerate(lanes)], axis=0)
     return ungroup(xp, out, "lane", q.dtype)
 
 
+def _shared(call: Any, group: _Group, grouped: Any, dv: int, interleaved: bool,
+            products: Any) -> list[tuple[Any, Any, Any]]:
+    """The online softmax's state ``(m, l, acc)`` of each lane of ``group`` over its shared
+    columns: the lanes' queries stacked as one lane's heads (``[1, kv, lanes x g, seq, d]``),
+    so that each kv head's product reads a piece once for all of them."""
+    xp = call.index.xp
+    _, kv, g, seq, d = grouped.shape
+    lanes = len(group.lanes)
+    q = xp.concat([grouped[b:b + 1, ...] for b in group.lanes], axis=0)
+    q = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, lanes * g, seq, d))
+    state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products)
+    _fold(call, state, q, 0, seq, group.pieces, None, interleaved)
+    split = [xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1])))
+             for x in (state.m, state.l, state.acc)]
+    return [tuple(x[None, :, i, ...] for x in split) for i in range(lanes)]
+
+
 def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleaved: bool,
-          products: Any) -> Any:
+          products: Any, shared: Any = ()) -> Any:
     """One lane's output (its keys the lane's: ``keys_of`` "lane"), each block of its queries
-    over its pieces.
+    over its pieces, after the states ``shared`` of the prefixes it shares (a lane that shares
+    one is read in one block).
     ``own()`` is the lane's own index, made only when a piece needs a mask; a long piece of
     ``interleaved`` pools (token-major) is read in chunks; ``products`` are the library's own
     (:func:`~.paths.products`), or None."""
-    xp, kpool, vpool = call.index.xp, call.kpool, call.vpool
+    xp = call.index.xp
+    parts = []
+    for i0, i1, pieces in blocks:
+        state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
+                       products=products)
+        for m, l, acc in shared:
+            state.merge(m, l, acc)
+        _fold(call, state, grouped, i0, i1, pieces, own, interleaved)
+        parts.append(state.normalised(call.sinks))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=3)
+
+
+def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_Piece],
+          own: Any, interleaved: bool) -> None:
+    """Fold ``pieces`` into ``state``, the queries ``i0:i1`` of ``grouped`` (one lane's, or a
+    group's stacked): each piece a view of the pools, masked by the lane's own index (``own()``)
+    where not every query sees it whole."""
+    kpool, vpool = call.kpool, call.vpool
 
     def view(pool: Any, s0: int, width: int) -> Any:
         if isinstance(pool, Quantized):
@@ -209,28 +355,21 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
     # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (
-        4 if quantized else _bytes(xp, kpool.dtype))
-    parts = []
-    for i0, i1, pieces in blocks:
-        state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
-                       products=products)
-        longest = max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row
-        if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
-            state.chunk = max(64, CHUNK // row)
-        part = None
-        for c0, c1, s0, full in pieces:
-            if full and quantized and native_ok and _native(state, grouped, i0, i1, kpool,
-                                                            vpool, s0, c1 - c0):
-                continue
-            mask = None
-            if not full:
-                if part is None:
-                    lane = own()
-                    part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
-                mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
-            state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
-        parts.append(state.normalised(call.sinks))
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=3)
+        4 if quantized else _bytes(call.index.xp, kpool.dtype))
+    longest = max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row
+    if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
+        state.chunk = max(64, CHUNK // row)
+    part = None
+    for c0, c1, s0, full in pieces:
+        if full and native_ok and _native(state, grouped, i0, i1, kpool, vpool, s0, c1 - c0):
+            continue
+        mask = None
+        if not full:
+            if part is None:
+                lane = own()
+                part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
+            mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
+        state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
 
 
 def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, s0: int,
