@@ -16,24 +16,26 @@ The laws, each kept once, here:
 
       a = max_i |x_i|
       s = a * (1 / Q), rounded to the scales' dtype
-      c_i = clip(round(x_i / s), -Q, Q)
+      c_i = clip(round(x_i * (1 / s)), -Q, Q)
 
-  with ``Q = 127`` (8 bits) or ``7`` (4 bits), ``1 / Q`` rounded to float32 once (a product,
-  where a division by a constant is one a compiler may turn into a product by its reciprocal:
-  XLA does, and would move a scale by one ulp) and ``round`` the standard's (half to even). An
-  all-zero row has ``s = 0`` and codes zero, never NaN; a row holding a NaN or an infinity has
-  ``s = NaN`` and codes zero, so it reads as NaN across the row, and attention's laws for
-  values that are not finite then hold over it as over a float pool (nothing is refused: a
-  compiled step cannot look at its values).
+  with ``Q = 127`` (8 bits) or ``7`` (4 bits) and ``round`` the standard's (half to even).
+  ``1 / Q`` is rounded to float32 once and ``1 / s`` once per row: products, which every
+  library rounds alike, where a division is one a compiler may turn into a product by a
+  reciprocal (XLA does, for a constant and for a scale broadcast over its row, eagerly and in
+  ``jit``: it moved half of the halfway codes). An all-zero row has ``s = 0`` and codes zero,
+  never NaN; a row holding a NaN or an infinity has ``s = NaN`` and codes zero, so it reads as
+  NaN across the row, and attention's laws for values that are not finite then hold over it
+  as over a float pool (nothing is refused: a compiled step cannot look at its values).
 - **Q2, the values** (:func:`dequantize`). Element ``i`` of a stored row is ``c_i * s`` in
   float32. A call through a quantized pool is the call through a float pool holding its rows'
   values, :func:`roundtrip` of its own: ``extend``'s seen is the codes times their scales,
   read as ``extend`` reads a float pool (its zeroing law unchanged), and ``attend`` equals
   softmax attention over that seen.
-- **Q3, the error.** ``|x_i - c_i s| <= s / 2``, beyond the float32 rounding of ``x_i / s``
-  (a relative ``2**-24``), for both widths: ``s / 2`` is ``a / 254`` at 8 bits and ``a / 14``
-  at 4 bits. The scale's own rounding to a narrower dtype moves ``s``, never the bound: the
-  codes are computed from the rounded scale, clipped at ``Q``.
+- **Q3, the error.** ``|x_i - c_i s| <= s / 2``, beyond the float32 roundings of ``1 / s``
+  and ``x_i * (1 / s)`` (a relative ``2**-23`` of ``|x_i|``), for both widths: ``s / 2`` is
+  ``a / 254`` at 8 bits and ``a / 14`` at 4 bits. The scale's own rounding to a narrower
+  dtype moves ``s``, never the bound: the codes are computed from the rounded scale, clipped
+  at ``Q``.
 - **4-bit codes, packed.** Byte ``i`` of a row holds code ``i`` in its low four bits and code
   ``i + d/2`` in its high four, each as ``c + 8`` (so a row is two halves; a product over a
   row is one over each half, never an interleave to undo).
@@ -154,7 +156,10 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
         s = xp.astype(xp.astype(s, scale_dtype), f32)  # the codes follow the stored scale
     ok = finite & (s > 0)
     # an all-zero row, or one that is not finite, divides by one and keeps codes zero
-    c = xp.round(x / xp.where(ok, s, xp.ones((), dtype=f32))[..., None])
+    # times the scale's reciprocal, not divided by the scale: XLA divides by a broadcast row so
+    # (eagerly and in jit), which moves half of the halfway codes; a product rounds alike
+    # everywhere
+    c = xp.round(x * (1.0 / xp.where(ok, s, xp.ones((), dtype=f32)))[..., None])
     c = xp.where(ok[..., None], xp.clip(c, -float(q), float(q)), xp.zeros((), dtype=f32))
     scales = s if scale_dtype == f32 else xp.astype(s, scale_dtype)
     if bits == 8:

@@ -25,9 +25,9 @@ are read once for all the group's lanes, their queries stacked as one lane's hea
 head's product over a piece serving all of them (Hydragen's and FlashInfer's cascade), and each
 lane's state over it is merged exactly into the state over its own columns
 (:meth:`~cacheidx.attention.softmax.Online.merge`). The law is attend's own; only the order of
-the sums changes. A lane whose window starts inside the prefix, a padding lane, a prefix with a
-hole (its columns up to the hole are shared), a call of more than :data:`ROWS` tokens a lane
-(a long prefill) read their columns as their own. The standard's tiles and JAX's program do
+the sums changes. A lane whose window starts inside the prefix, a padding lane and a call of
+more than :data:`ROWS` tokens a lane (a long prefill) read their columns as their own; a
+prefix with a hole is read by the tiles, as every call with a hole is. The standard's tiles and JAX's program do
 not share (each lane reads its columns; the law holds the same); torch's compiled operator runs
 this code, so it does.
 
