@@ -9,10 +9,13 @@ its prefix cache.
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
 "content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
-``"arrival"`` (seconds from the start, at most a day) and ``"max_new_tokens"``; the engine
-applies the model's chat template to the messages. Answers go to stdout (with ``--json``, one
-object: ``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and generated
-``tokens``, and ``"figures"``); progress and a summary go to stderr.
+``"arrival"`` (seconds from the start, at most a day), ``"max_new_tokens"`` and ``"n"``
+(parallel samples of the prompt, computed once: ``Request(..., n=N)``); the engine applies the
+model's chat template to the messages. Answers go to stdout (with ``--json``, one object:
+``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and generated ``tokens``, and
+``"figures"``; a request of ``"n"`` > 1 has ``"n"``, ``n`` lists of ``tokens`` and ``n``
+texts; printed, one line per sample, ``[id sample k]``); progress and a summary go to
+stderr.
 
 ``--model PATH`` serves a transformers model by its own modeling code
 (:mod:`cacheidx.integrations.transformers`, the torch backend): ``PATH`` is a folder
@@ -109,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "finished answers are printed, the unfinished requests named.")
     p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line: "
                    '{"id", "messages"} or {"id", "prompt_ids"}, optionally "arrival" (seconds, '
-                   f"at most {LATEST:g}) and \"max_new_tokens\"; - for stdin")
+                   f"at most {LATEST:g}), \"max_new_tokens\" and \"n\" (parallel samples of "
+                   "the prompt); - for stdin")
     p.add_argument("--model", metavar="PATH", default=None,
                    help="a transformers model to serve instead of SmolLM2: a folder "
                    "save_pretrained wrote, or a GGUF file (the torch backend)")
@@ -219,7 +223,7 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     pages = pools = args.pages
     if pages is None:  # a sliding group's pool holds one window at least (Engine's law 5)
         pages = min(most_pages(what.model, args.kv),
-                    max(1, sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // args.page_size)
+                    max(1, sum(r.n * -(-(len(r.prompt) + r.max_new_tokens - 1) // args.page_size)
                                for r in requests)))
         pools = groups.pools(pages, args.page_size, longest)
     compile = args.compile or (args.backend == "jax" and not args.eager)
@@ -253,9 +257,7 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     def finished(r: Result) -> None:
         done[r.ticket] = r
         at = f"{where} line {line_of[r.ticket]}: request {r.id!r}"
-        say(f"{at} failed: {r.error}" if r.error is not None else
-            f"{at}: {len(r.prompt_ids)} prompt tokens ({r.cached_tokens} cached), "
-            f"{len(r.tokens)} new")
+        say(f"{at} failed: {r.error}" if r.error is not None else f"{at}: {r.describe()}")
 
     try:
         engine.run(on_finish=finished)
@@ -286,24 +288,30 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
             f"unfinished{': ' if unfinished else ''}{named}{more}")
     say(summary(figures))
 
-    def text_of(r: Result) -> str | None:  # None without a tokenizer: the ids are the answer
-        tokens = [t for t in r.tokens if t not in what.stop]
-        return None if what.decode is None else what.decode(tokens)
+    def text_of(tokens: list[int]) -> str | None:  # None without a tokenizer: the ids are it
+        return None if what.decode is None else what.decode([t for t in tokens
+                                                              if t not in what.stop])
+
+    def texts(r: Result) -> str | list[str | None] | None:  # a request of n samples: n texts
+        return text_of(r.tokens) if r.n == 1 else [text_of(t) for t in r.samples]
 
     if args.json:
-        out = {"requests": [dict(r.as_json(), line=n, text=text_of(r)) for n, r in results],
+        out = {"requests": [dict(r.as_json(), line=n, text=texts(r)) for n, r in results],
                "figures": figures}
         if interrupted:
             out["unfinished"] = [{"id": line.id, "line": line.number} for line in unfinished]
         print(json.dumps(out))
     else:
         for _, r in results:
-            text = text_of(r)
             if r.error is not None:
-                text = f"error: {r.error}"
-            elif text is None:
-                text = " ".join(str(t) for t in r.tokens if t not in what.stop)
-            print(_printable(f"[{r.id}] {text.strip()}"))
+                print(_printable(f"[{r.id}] error: {r.error}"))
+                continue
+            for k, tokens in enumerate(r.samples):
+                text = text_of(tokens)
+                if text is None:
+                    text = " ".join(str(t) for t in tokens if t not in what.stop)
+                name = f"{r.id} sample {k}" if r.n > 1 else f"{r.id}"
+                print(_printable(f"[{name}] {text.strip()}"))
     return INTERRUPTED if interrupted else 1 if figures["failed"] else 0
 
 

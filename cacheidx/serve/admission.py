@@ -6,7 +6,11 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 1. A request is refused when it is submitted, never queued, where it holds a token id at or
    past the model's ``vocab``, needs more pages (its prompt and ``max_new_tokens - 1`` more
    positions) than the full group's pool has, or more tokens than the engine's ``context``
-   or the model's ``longest``: the first of these that holds is its reason.
+   or the model's ``longest``: the first of these that holds is its reason. A request of
+   ``n`` > 1 samples is refused too where the full group's pool cannot hold as many of its
+   samples as run at once (``min(n, lanes)``), the prompt's whole pages (at most
+   ``(len(prompt) - 1) // P``) counted once with the cache on (the scheduler's law 6), once
+   per sample without.
 2. The queue is in submission order, each waiting request under its number in the queue (a
    count), never under the identity of an object: taking one out takes exactly that one.
 3. A request is held back (the scheduler's law 2) while a request still computing its
@@ -34,12 +38,15 @@ __all__ = ["Admission"]
 class Admission:
     """The waiting requests of a scheduler over ``cache`` whose calls compute at most
     ``chunk`` prompt tokens, and the limits it refuses requests by: the engine's
-    ``context`` and the model's ``vocab`` and ``longest``, where given."""
+    ``context`` and the model's ``vocab`` and ``longest``, where given, and (for a request
+    of several samples) its ``lanes`` and whether it reads the cache (``reuse``)."""
 
     def __init__(self, cache: PrefixCache, *, chunk: int, context: int | None = None,
-                 vocab: int | None = None, longest: int | None = None):
+                 vocab: int | None = None, longest: int | None = None, lanes: int = 1,
+                 reuse: bool = True):
         self.cache, self.chunk, self.P = cache, chunk, cache.page_size
         self.context, self.vocab, self.longest = context, vocab, longest
+        self.lanes, self.reuse = lanes, reuse
         windows = cache.windows
         self._sliding = [w for w in windows if w is not None]
         self._full = windows.index(None) if None in windows else None
@@ -68,15 +75,31 @@ class Admission:
         if self.longest is not None and total > self.longest:
             return (f"request {request.id!r} holds {total} tokens {what}; the model's context "
                     f"is {self.longest}")
+        at_once = min(request.n, self.lanes)
+        if self._full is not None and at_once > 1:
+            shared = (len(request.prompt) - 1) // self.P if self.reuse else 0
+            most = need + (at_once - 1) * (need - shared)
+            capacity = self.cache.group(self._full).capacity
+            if most > capacity:
+                pool = "pool of the full layers" if self._several else "pool"
+                runs = f"{at_once} of its {request.n}" if at_once < request.n else f"its {at_once}"
+                how = (f"{shared} of them the prompt's whole pages, shared" if self.reuse
+                       else "none shared (the cache is off)")
+                return (f"request {request.id!r} needs {most} pages of {self.P} tokens for "
+                        f"{runs} samples at once: {need} each {what}, {how}; the {pool} has "
+                        f"{capacity}")
         return None
 
     # -- law 2 --------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._queue)
 
-    def queue(self, request: Request, result: Result) -> None:
-        """``request``, answered by ``result``, waits behind every request queued before it."""
-        self._queue[next(self._numbers)] = (request, result)
+    def queue(self, request: Request, result: Result) -> int:
+        """``request``, answered by ``result``, waits behind every request queued before it;
+        returns its number."""
+        number = next(self._numbers)
+        self._queue[number] = (request, result)
+        return number
 
     def waiting(self) -> list[tuple[int, Request, Result]]:
         """The waiting requests, oldest first, each with its number (a copy: taking one out

@@ -13,6 +13,9 @@ Laws, for lanes in the scheduler's running order:
 3. Lane ``b`` of a call is the request in row ``rows[b]`` of the scheduler's tables
    (:mod:`cacheidx.serve.tables`); :meth:`Batch.alone` is lane ``b``'s call by itself, fed
    from the host.
+4. A request of ``n`` > 1 samples runs as ``n`` lanes, each with a result of its own and
+   the request's :class:`Samples`, which gathers them into the request's result once the
+   last ended (the scheduler's law 6).
 """
 
 from __future__ import annotations
@@ -24,13 +27,46 @@ import numpy as np
 from ..prefix.cache import Hold
 from .requests import Request, Result
 
-__all__ = ["Batch", "Lane", "decode", "prefill"]
+__all__ = ["Batch", "Lane", "Samples", "decode", "prefill"]
+
+
+@dataclasses.dataclass(eq=False)
+class Samples:
+    """The lanes of one request of ``n`` > 1 samples (law 4): ``result`` is the request's,
+    ``results[k]`` sample ``k``'s (a result of one sample), ``ended`` how many have ended."""
+
+    result: Result
+    results: list[Result]
+    ended: int = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every sample has ended."""
+        return self.ended == len(self.results)
+
+    def gather(self, now: float) -> Result:
+        """The request's result, from its samples' (see :class:`Result`)."""
+        out, parts = self.result, self.results
+        out.tokens = [r.tokens for r in parts]
+        out.cached_tokens = sum(r.cached_tokens for r in parts)
+        out.computed_tokens = sum(r.computed_tokens for r in parts)
+        admitted = [r.admitted for r in parts if r.admitted is not None]
+        out.admitted = min(admitted, default=None)
+        first = [r.first_token for r in parts if r.first_token is not None]
+        out.first_token = min(first, default=None)
+        out.finished = now
+        out.error = next((f"sample {k}: {r.error}" for k, r in enumerate(parts)
+                          if r.error is not None), None)
+        if all(r.last_logits is not None for r in parts):
+            out.last_logits = np.stack([r.last_logits for r in parts])
+        return out
 
 
 @dataclasses.dataclass(eq=False)
 class Lane:
     """A running request: its pages, its row of the table, how much of its prompt is
-    computed (``done``, its cached tokens at first)."""
+    computed (``done``, its cached tokens at first). A sample of a request of ``n`` > 1
+    has its own ``result`` and the request's ``samples`` (law 4); ``None`` otherwise."""
 
     request: Request
     result: Result
@@ -38,6 +74,7 @@ class Lane:
     row: int
     done: int
     data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
+    samples: Samples | None = dataclasses.field(default=None, repr=False)
 
     @property
     def prefilling(self) -> bool:

@@ -12,7 +12,10 @@ Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
    step number; an idle engine skips to it).
 2. A result comes back once per request, in :meth:`Engine.run`'s order, its error set where
    it failed; ``on_finish`` hears each as it finishes and may submit more (a client whose
-   next turn follows an answer).
+   next turn follows an answer). A request of ``n`` > 1 samples (``Request(..., n=N)``)
+   runs as ``N`` lanes and comes back once, when its last sample ends, its ``tokens`` ``N``
+   lists (the scheduler's law 6: its prompt's whole pages computed once, read by the other
+   samples from the prefix cache; with ``cache=False`` each sample computes it whole).
 3. Nothing leaks: once :meth:`Engine.run` returns, every page is free or cached with no
    reader.
 4. A request fails alone. One the engine can never serve (a token id past the model's
@@ -70,10 +73,11 @@ class Engine:
     simulation).
 
     ``pages`` pages of ``page_size`` tokens hold every request's keys and values and the
-    cache; ``lanes`` requests run at once; prefill computes at most ``chunk`` tokens per
-    request per step (256 eager, 64 compiled, by default). ``cache=False`` computes every
-    prompt whole. ``policy`` orders evictions (:func:`cacheidx.prefix.lru`). With
-    ``keep_logits`` each result keeps the logits that chose its last token. ``shapes``
+    cache; ``lanes`` requests run at once (each sample of a request of ``n`` > 1 is one,
+    law 2); prefill computes at most ``chunk`` tokens per request per step (256 eager, 64
+    compiled, by default). ``cache=False`` computes every prompt whole (every sample's).
+    ``policy`` orders evictions (:func:`cacheidx.prefix.lru`). With ``keep_logits`` each
+    result keeps the logits that chose its last token. ``shapes``
     (``"exact"``, ``"buckets"``, ``"fixed"``) says how calls are shaped
     (:mod:`cacheidx.serve.step`; exact eager, buckets compiled by default). ``context``
     caps the tokens a request holds (prompt and new ones; a longer one fails) and sizes the
@@ -245,7 +249,8 @@ class Engine:
         if len(batch.lanes) > 1:
             return [r for b in range(len(batch.lanes)) for r in self._call(batch.alone(b))]
         message = f"the model's {batch.kind} call failed: {type(error).__name__}: {error}"
-        return [self.scheduler.fail(batch.lanes[0], message, self.now())]
+        result = self.scheduler.fail(batch.lanes[0], message, self.now())
+        return [] if result is None else [result]  # None: a sample, its request runs on
 
     def run(self, requests: Iterable[Request] = (), *,
             on_finish: Callable[[Result], None] | None = None,
@@ -265,8 +270,7 @@ class Engine:
                 if result.error is not None:
                     progress(f"request {result.id!r} failed: {result.error}")
                 else:
-                    progress(f"request {result.id!r}: {len(result.prompt_ids)} prompt tokens "
-                             f"({result.cached_tokens} cached), {len(result.tokens)} new")
+                    progress(f"request {result.id!r}: {result.describe()}")
                 if on_finish is not None:
                     on_finish(result)
         tickets, self._open = self._open, []

@@ -24,33 +24,44 @@ class Request:
     after a token of ``stop`` (kept). ``arrival`` is when the engine may first see it (its
     clock's unit: seconds, or steps).
 
+    ``n`` asks for ``n`` parallel samples of the prompt: ``n`` lanes, whose prompt is computed
+    once (the scheduler's law 6: the samples after the first read its whole pages from the
+    prefix cache, each computing only the tokens past the prompt's last whole page, into a
+    page of its own). Its :class:`Result` then holds ``n`` lists of tokens. The engine
+    chooses greedily (it has no sampling), so the ``n`` continuations are equal, each the
+    continuation of the same request with ``n=1``: the point is the shared pages and the one
+    prefill, what a sampler would build on.
+
     Raises ``TypeError`` naming the request for a field of the wrong type (a token id that is
-    no integer, a bool included; a float ``max_new_tokens``; an ``arrival`` that is no
-    number; a ``stop`` that is no collection of ids), and ``ValueError`` for a value out of
-    range (an empty prompt, a negative id or one past int64, ``max_new_tokens`` below 1, an
-    arrival that is negative or not finite). Nothing is truncated or clamped."""
+    no integer, a bool included; a float ``max_new_tokens`` or ``n``; an ``arrival`` that is
+    no number; a ``stop`` that is no collection of ids), and ``ValueError`` for a value out of
+    range (an empty prompt, a negative id or one past int64, ``max_new_tokens`` or ``n``
+    below 1, an arrival that is negative or not finite). Nothing is truncated or clamped."""
 
     id: Any
     prompt: tuple[int, ...]
     max_new_tokens: int = 16
     arrival: float = 0.0
     stop: frozenset[int] = frozenset()
+    n: int = 1
 
     def __post_init__(self) -> None:
         try:
-            fields = checked(self.prompt, self.max_new_tokens, self.arrival, self.stop)
+            fields = checked(self.prompt, self.max_new_tokens, self.arrival, self.stop,
+                             self.n)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cacheidx.serve.Request {self.id!r}: {e}") from None
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
 
-def checked(prompt: Any, max_new_tokens: Any, arrival: Any, stop: Any) -> dict:
+def checked(prompt: Any, max_new_tokens: Any, arrival: Any, stop: Any, n: Any = 1) -> dict:
     """A request's fields as :class:`Request` keeps them; ``TypeError`` or ``ValueError``
     saying which field is wrong and how (the caller names the request)."""
     return {"prompt": _ids("the prompt", prompt, least=1),
             "max_new_tokens": _count("max_new_tokens", max_new_tokens),
-            "arrival": _time(arrival), "stop": frozenset(_ids("stop", stop))}
+            "arrival": _time(arrival), "stop": frozenset(_ids("stop", stop)),
+            "n": _count("n", n)}
 
 
 def _ids(what: str, ids: Any, least: int = 0) -> tuple[int, ...]:
@@ -96,7 +107,14 @@ def _time(t: Any) -> float:
 class Result:
     """One request's answer: its generated ``tokens`` (or its ``error``), how many of its
     prompt tokens were read from the cache and how many computed, and when (the engine's
-    clock) it arrived, was admitted, got its first token and finished."""
+    clock) it arrived, was admitted, got its first token and finished.
+
+    A request of ``n`` > 1 samples has one result, for all of them: ``tokens`` is a list of
+    ``n`` lists, sample ``k``'s at ``k`` (:attr:`samples` reads both shapes as that list);
+    ``cached_tokens`` and ``computed_tokens`` are its samples' sums; ``admitted`` and
+    ``first_token`` its first sample's, ``finished`` its last's; ``error`` the first failing
+    sample's (``"sample k: ..."``: the others run to their end); ``last_logits``, where kept,
+    one row per sample."""
 
     id: Any
     prompt_ids: list[int]
@@ -112,10 +130,26 @@ class Result:
     last_logits: np.ndarray | None = dataclasses.field(default=None, repr=False)
     #: the engine's number for the submission this result answers
     ticket: int = dataclasses.field(default=-1, repr=False)
+    #: the request's samples: ``tokens`` is ``n`` lists of ids where ``n`` > 1
+    n: int = 1
+
+    @property
+    def samples(self) -> list[list[int]]:
+        """Each sample's tokens: ``[tokens]`` for one sample, ``tokens`` for several."""
+        return self.tokens if self.n > 1 else [self.tokens]
+
+    def describe(self) -> str:
+        """What a progress line says of a served request: its prompt, cached and new tokens."""
+        least, most = min(map(len, self.samples)), max(map(len, self.samples))
+        each = f"{least}" if least == most else f"{least} to {most}"
+        new = f"{each} new" if self.n == 1 else f"{self.n} samples of {each} new"
+        return f"{len(self.prompt_ids)} prompt tokens ({self.cached_tokens} cached), {new}"
 
     def as_json(self) -> dict:
         out = {"id": self.id, "prompt_ids": self.prompt_ids, "tokens": self.tokens,
                "cached_tokens": self.cached_tokens, "computed_tokens": self.computed_tokens}
+        if self.n > 1:
+            out["n"] = self.n
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -137,9 +171,9 @@ def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[in
                   ) -> list[Line]:
     """Requests from JSON lines ``{"id": ..., "messages": [{"role": ..., "content": ...},
     ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, with an optional ``"arrival"`` (seconds,
-    at most ``latest`` where given) and ``"max_new_tokens"``; ``template`` turns the messages
-    into prompt ids (the model's chat template). Blank lines are skipped, and a UTF-8 byte
-    order mark before the first line.
+    at most ``latest`` where given), ``"max_new_tokens"`` and ``"n"`` (parallel samples,
+    :class:`Request`); ``template`` turns the messages into prompt ids (the model's chat
+    template). Blank lines are skipped, and a UTF-8 byte order mark before the first line.
 
     Each other line gives a :class:`Line`: its request, or why it is none (not JSON, not an
     object, a field of the wrong type or out of range, a message that is no Unicode text, a
@@ -164,7 +198,7 @@ def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[in
         try:
             prompt = _prompt(item, template)
             fields = checked(prompt, item.get("max_new_tokens", max_new_tokens),
-                             item.get("arrival", 0.0), stop)
+                             item.get("arrival", 0.0), stop, item.get("n", 1))
             if latest is not None and fields["arrival"] > latest:
                 raise ValueError(f"arrival must be at most {latest:g} seconds, got "
                                  f"{fields['arrival']:g}")

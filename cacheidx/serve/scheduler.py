@@ -33,6 +33,20 @@ call computes) and :mod:`.statistics` (what is counted). Laws, for a
    one); law 2 holds a request back only for pages whose windows the computing request will
    keep: its prompt's last window, or the window where the two part, which it is then told to
    keep (``PrefixCache.keep``) where its pools have room.
+6. Parallel samples (``Request(..., n=N)``): a request of ``N`` > 1 samples is queued as
+   ``N`` requests of its prompt, one after the other, each a lane of its own row and pages
+   (:class:`~cacheidx.serve.batches.Samples`). With the cache on, law 2 holds the later
+   samples back while the first computes the prompt; admitted then, each reads the prompt's
+   whole pages from the cache (``match``'s ``(len(prompt) - 1) // P``) and computes only
+   the tokens past them, 1 to ``P``, into a page of its own: so a page is never written by
+   two lanes, and a sample's own pages begin at the page where its continuation begins.
+   The prompt's whole pages are computed once (``computed_tokens`` is the prompt plus those
+   tokens of each later sample); a prompt of at most ``P`` tokens has no whole page to
+   share, and each sample computes it. Without the cache (``reuse=False``) nothing is
+   shared: each sample computes the prompt whole. The request ends when its last sample
+   ends; its result gathers the samples' (:class:`~cacheidx.serve.requests.Result`), and
+   it is counted once, failed if a sample failed (its other samples run to their end).
+   With sliding groups the samples share as law 5 lets requests share a prefix.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from ..prefix.cache import PrefixCache
 from ..prefix.reach import largest_call
 from . import batches
 from .admission import Admission
-from .batches import Batch, Lane
+from .batches import Batch, Lane, Samples
 from .requests import Request, Result
 from .statistics import Statistics
 from .tables import SlotTables
@@ -86,13 +100,14 @@ class Scheduler:
                                  f"{self.P} tokens, fewer than one window reads")
         self.chunk = min([chunk, *fits.values()])  #: prompt tokens a call computes at most
         self.admission = Admission(cache, chunk=self.chunk, context=context, vocab=vocab,
-                                   longest=longest)
+                                   longest=longest, lanes=lanes, reuse=reuse)
         # as wide as ``context`` from the start where given, so the table never grows
         self.slots = SlotTables(len(self.windows), lanes, self.P,
                                 1 if context is None else cache.pages_for(context))
         self.stats = Statistics(self.windows)
         self.running: list[Lane] = []
         self._last_decode: tuple[Lane, ...] = ()
+        self._samples: dict[int, Samples] = {}  # law 6: a queued sample's number -> its request
 
     context = _part("admission", "context")
     vocab = _part("admission", "vocab")  #: the model's limits, where it says them
@@ -117,8 +132,14 @@ class Scheduler:
 
     @property
     def waiting(self) -> tuple[Result, ...]:
-        """The results of the waiting requests, oldest first."""
-        return tuple(result for _, _, result in self.admission.waiting())
+        """The results of the waiting requests, oldest first (a request of several samples
+        once, while one of them waits)."""
+        out: dict[int, Result] = {}
+        for number, _, result in self.admission.waiting():
+            samples = self._samples.get(number)
+            result = result if samples is None else samples.result
+            out.setdefault(id(result), result)
+        return tuple(out.values())
 
     @property
     def table(self) -> np.ndarray:
@@ -131,15 +152,24 @@ class Scheduler:
         return self.admission.refusal(request)
 
     def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
-        """Queues ``request``; returns its failed result at once if the engine can never
-        serve it (:meth:`refusal`)."""
-        result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket)
+        """Queues ``request`` (of ``n`` samples: ``n`` lanes, law 6); returns its failed
+        result at once if the engine can never serve it (:meth:`refusal`)."""
+        n = request.n
+        result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket,
+                        n=n, tokens=[[] for _ in range(n)] if n > 1 else [])
         result.error = self.refusal(request)
         if result.error is not None:
             result.finished = now
             self.stats.failed += 1
             return result
-        self.admission.queue(request, result)
+        if n == 1:
+            self.admission.queue(request, result)
+            return None
+        samples = Samples(result, [Result(request.id, list(request.prompt),
+                                          arrival=request.arrival, ticket=ticket)
+                                   for _ in range(n)])
+        for part in samples.results:
+            self._samples[self.admission.queue(request, part)] = samples
         return None
 
     def admit(self, now: float) -> list[Lane]:
@@ -159,7 +189,8 @@ class Scheduler:
             if hold is None:
                 break  # the oldest request that fits nowhere yet waits; so do the younger
             self.admission.take(number)
-            lane = Lane(request, result, hold, self.slots.take(), hold.cached, data)
+            lane = Lane(request, result, hold, self.slots.take(), hold.cached, data,
+                        self._samples.pop(number, None))
             self._place(lane)
             result.admitted = now
             result.cached_tokens = hold.cached
@@ -216,7 +247,8 @@ class Scheduler:
     def after(self, batch: Batch, chosen: np.ndarray, logits: np.ndarray | None,
               now: float) -> list[Result]:
         """Records the token each lane of ``batch`` chose (``chosen[b]``, with its ``logits``
-        where kept); returns the results of the requests that finished."""
+        where kept); returns the results of the requests that finished (a request of several
+        samples once its last one did, law 6)."""
         finished = []
         for b, lane in enumerate(batch.lanes):
             if batch.kind == "prefill":
@@ -235,31 +267,46 @@ class Scheduler:
                 lane.result.last_logits = np.asarray(logits[b], dtype=np.float32)
             self.stats.generated_tokens += 1
             if token in lane.request.stop or len(lane.result.tokens) >= lane.request.max_new_tokens:
-                finished.append(self._finish(lane, now))
+                ended = self._finish(lane, now)
+                if ended is not None:
+                    finished.append(ended)
         return finished
 
-    def fail(self, lane: Lane, error: str, now: float) -> Result:
+    def fail(self, lane: Lane, error: str, now: float) -> Result | None:
         """Law 4: the running request of ``lane`` fails with ``error``: what its last call
         wrote is cached for no one, its hold is released, its row cleared. Returns its
-        result."""
+        result; ``None`` for a sample whose request has samples still to end (law 6)."""
         self.cache.release(lane.hold)
-        self._clear(lane, now)
         lane.result.error = error
-        self.stats.failed += 1
-        return lane.result
+        self._clear(lane, now)
+        return self._ended(lane, now)
 
     def fed_from_host(self) -> None:
         """The next decode call is fed from the host, never from a call that may have failed."""
         self._last_decode = ()
 
-    def _finish(self, lane: Lane, now: float) -> Result:
+    def _finish(self, lane: Lane, now: float) -> Result | None:
         if self.reuse:  # the pages filled while decoding: every token but the last is written
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
             self.cache.insert(lane.hold, written)
         self.cache.release(lane.hold)
         self._clear(lane, now)
-        self.stats.served += 1
-        return lane.result
+        return self._ended(lane, now)
+
+    def _ended(self, lane: Lane, now: float) -> Result | None:
+        """The lane ended (finished or failed): its request's result, counted once, where
+        the request ended with it (law 6); ``None`` while samples of it are still to end."""
+        result = lane.result
+        if lane.samples is not None:
+            lane.samples.ended += 1
+            if not lane.samples.done:
+                return None
+            result = lane.samples.gather(now)
+        if result.error is None:
+            self.stats.served += 1
+        else:
+            self.stats.failed += 1
+        return result
 
     def _clear(self, lane: Lane, now: float) -> None:
         """The lane's request stops running: its row is free again."""

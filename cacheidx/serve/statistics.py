@@ -4,9 +4,13 @@ and the figures it reports (``Scheduler.figures``, which ``Engine.figures`` exte
 Laws, each count kept by the scheduler at one event and nowhere else:
 
 1. A request is counted once, when it ends: ``served`` when it finishes, ``failed`` when it
-   fails, when it is refused on submission included; ``requests`` is their sum.
+   fails, when it is refused on submission included; ``requests`` is their sum. A request
+   of ``n`` > 1 samples ends with its last sample, ``failed`` if one of them failed (the
+   scheduler's law 6).
 2. ``prompt_tokens`` and ``cached_tokens`` are counted when a request is admitted (its prompt,
-   and what it read from the cache); ``computed_tokens`` as each prefill call computes them;
+   and what it read from the cache), a request of ``n`` > 1 samples once per sample, as
+   each is admitted (its prompt ``n`` times, what its later samples read among the cached
+   tokens); ``computed_tokens`` as each prefill call computes them;
    ``generated_tokens`` one per token a lane chooses; ``rounds`` one per step that admitted
    some request. ``hit_rate`` is ``cached_tokens / prompt_tokens`` (rounded to 4 places; 0.0
    before any prompt).
