@@ -27,9 +27,13 @@ lane's state over it is merged exactly into the state over its own columns
 (:meth:`~cacheidx.attention.softmax.Online.merge`). The law is attend's own; only the order of
 the sums changes. A lane whose window starts inside the prefix, a padding lane and a call of
 more than :data:`ROWS` tokens a lane (a long prefill) read their columns as their own; a
-prefix with a hole is read by the tiles, as every call with a hole is. The standard's tiles and JAX's program do
-not share (each lane reads its columns; the law holds the same); torch's compiled operator runs
-this code, so it does.
+prefix with a hole is read by the tiles, as every call with a hole is. The standard's tiles
+and JAX's program do not share (each lane reads its columns; the law holds the same); torch's
+compiled operator runs this code, so it does.
+
+A lane's short runs (the pages of its own a paged table scatters: fewer than :data:`GATHER`
+columns each, seen whole) but the last are gathered into one tile, read through the backend's
+read plan: a view of each would cost a product per page.
 
 A lane at a time, not all lanes as one strided view: where lanes' runs sit a fixed stride
 apart (``rows`` of one length) they could be, but the products over a view whose lanes lie
@@ -73,6 +77,19 @@ class _Piece(NamedTuple):
     s0: int
     full: bool
 
+
+class _Gathered(NamedTuple):
+    """Short pieces every query of the block sees whole, read together as one tile: ``width``
+    columns gathered through the backend's read plan ``read`` (a paged lane's pages of its own
+    hold a few columns each; a view of each would cost a product per page)."""
+
+    width: int
+    read: Any
+    full: bool = True
+
+
+#: pieces shorter than this, every query seeing them whole, are gathered into one tile
+GATHER = 256
 
 #: one lane's blocks of queries: ``(i0, i1, pieces)``
 _Blocks = list[tuple[int, int, list[_Piece]]]
@@ -159,7 +176,7 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
                         seen = part.sees_columns(np.arange(c0, c1)[None, None, :])
                     if seen.any():
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
-            blocks.append((i0, i1, pieces))
+            blocks.append((i0, i1, _gather(index, pieces, n)))
         lanes.append(blocks)
     return _Runs(lanes, groups)
 
@@ -173,6 +190,21 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None,
 
     found = _plan(index, n, scores or SCORES, heads, tile, True)
     return [] if not found else [(g.lanes, g.width) for g in found.groups]
+
+
+def _gather(index: Any, pieces: list[_Piece], n: int) -> list[Any]:
+    """``pieces`` with the short ones every query sees whole, but the last (the one a decode
+    step grows, :func:`carry`), read as one :class:`_Gathered` tile where there are several."""
+    short = [p for p in pieces[:-1] if p.full and p.c1 - p.c0 < GATHER]
+    if len(short) < 2:
+        return pieces
+    xp = index.xp
+    slots = np.concatenate([np.arange(p.s0, p.s0 + p.c1 - p.c0) for p in short])
+    where = {} if index.device is None else {"device": index.device}
+    at = xp.asarray(slots, **where)
+    read = index.backend.read_plan(at, xp.ones(at.shape, dtype=xp.bool, **where), n)
+    rest = [p for p in pieces if p not in short]
+    return [_Gathered(int(slots.size), read), *rest]
 
 
 def _groups(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
@@ -356,11 +388,15 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_P
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (
         4 if quantized else _bytes(call.index.xp, kpool.dtype))
-    longest = max((c1 - c0 for c0, c1, _, _ in pieces), default=0) * row
+    longest = max((p.c1 - p.c0 for p in pieces if isinstance(p, _Piece)), default=0) * row
     if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
         state.chunk = max(64, CHUNK // row)
     part = None
-    for c0, c1, s0, full in pieces:
+    for piece in pieces:
+        if isinstance(piece, _Gathered):
+            state.add(_read(call.index, kpool, piece), _read(call.index, vpool, piece), None)
+            continue
+        c0, c1, s0, full = piece
         if full and native_ok and _native(state, grouped, i0, i1, kpool, vpool, s0, c1 - c0):
             continue
         mask = None
@@ -370,6 +406,13 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_P
                 part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
             mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
         state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
+
+
+def _read(index: Any, pool: Any, piece: _Gathered) -> Any:
+    """A gathered piece's rows of ``pool`` (each part of a quantized one), ``[1, width, ...]``."""
+    if isinstance(pool, Quantized):
+        return pool.map(lambda part: _read(index, part, piece))
+    return index.backend.read(pool, piece.read)[None, ...]
 
 
 def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, s0: int,

@@ -1,0 +1,247 @@
+"""Lanes that share a prefix read it once: decode tokens/s of 8 and 32 lanes under one 1k, 4k or
+16k-token prefix with 64 tokens of their own, cacheidx with and without shared reads, beside
+transformers' static cache (each lane a copy of the prefix); and a batch that shares nothing.
+
+The model is ``long_context.py``'s: SmolLM2-135M's shape cut to 2 layers (random weights, the
+same weights on both sides). Every engine starts from the same cache: the prefix's keys and
+values (random) written once into cacheidx's pools, on pages every lane's table names, and each
+lane's own 64 tokens on pages of its own (pages of 16 slots; the own pages of the lanes
+interleaved, as a server's allocator leaves them); transformers' static cache holds each lane's
+prefix and own tokens as a copy. A decode step is one forward of one token per lane and its
+argmax under ``torch.inference_mode()``, the index ``advance()``d each step (its plan carried),
+one thread; the rate is the lanes over the median step, with the fastest and slowest. Every
+engine decodes the same tokens (checked).
+
+The floor is the bytes a step must read over the machine's one-thread bandwidth: the weights,
+the shared prefix once and each lane's own tokens; "unshared bytes" is what a step reads where
+every lane reads the prefix as its own. The batch that shares nothing gives each lane a prefix
+of its own, with shared reads on (the plan looks, finds nothing) and off: their ratio is what
+looking costs.
+
+    python benchmarks/shared_prefix.py [--json PATH] [--quick] [--prefixes 1024 4096 16384]
+                                       [--lanes 8 32] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_context as lc  # noqa: E402  (sets one thread before numpy and torch load)
+import numpy as np  # noqa: E402
+
+OWN, PAGE = 64, 16
+
+
+def say(msg: str) -> None:
+    print(f"    {msg}", flush=True)
+
+
+def layout(lanes: int, prefix: int, steps: int, shared: bool):
+    """``(table, slots, own)``: each lane's row of slots (the prefix's pages, shared or each
+    lane's own, then its own pages for its 64 tokens and the steps), the pool's slots, and the
+    pages each lane owns."""
+    pp = -(-prefix // PAGE)
+    op = -(-(OWN + steps + 2) // PAGE)
+    rows, nxt = [], 0
+    base = list(range(pp))
+    nxt = pp
+    own_pages = [[] for _ in range(lanes)]
+    for _ in range(op):  # own pages interleaved across lanes, as an allocator hands them out
+        for b in range(lanes):
+            own_pages[b].append(nxt)
+            nxt += 1
+    for b in range(lanes):
+        first = base if shared else list(range(nxt, nxt + pp))
+        if not shared:
+            nxt += pp
+        pages = first + own_pages[b]
+        rows.append(np.concatenate([np.arange(q * PAGE, q * PAGE + PAGE) for q in pages]))
+    return np.stack(rows), nxt * PAGE
+
+
+def caches(config, lanes: int, prefix: int, seed: int = 1):
+    """Each layer's keys and values ``[lanes, prefix + OWN, kv, d]``: one prefix for all lanes,
+    then each lane's own tokens; and each lane's first token."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(config.layers):
+        pair = []
+        for _ in range(2):
+            head = rng.standard_normal((1, prefix, config.kv_heads, config.head_dim),
+                                       dtype=np.float32)
+            own = rng.standard_normal((lanes, OWN, config.kv_heads, config.head_dim),
+                                      dtype=np.float32)
+            pair.append(np.concatenate([np.repeat(head, lanes, 0), own], axis=1))
+        layers.append(tuple(pair))
+    return layers, rng.integers(0, config.vocab, lanes)
+
+
+def ci_shared(config, params, layers, first, prefix: int, steps: int, shared: bool,
+              read_once: bool):
+    """cacheidx's torch path over paged pools whose prefix pages the lanes share (``shared``),
+    reading them once (``read_once``) or each lane as its own."""
+    import torch
+
+    import cacheidx as ci
+    from cacheidx import devices
+    from cacheidx.attention import runs
+    from cacheidx.models import llama
+
+    be = ci.backends.get("torch")
+    xp = be.xp
+    lanes = len(first)
+    table, slots = layout(lanes, prefix, steps, shared)
+    weights = llama.convert(params, xp=xp)
+    n = prefix + OWN
+    pools = []
+    for k, v in layers:
+        pair = []
+        for x in (k, v):
+            pool = llama.empty_pools(config, slots, like=weights["embed"])[0][0]
+            at = torch.from_numpy(table[:, :n].reshape(-1).copy())
+            rows = torch.from_numpy(x.reshape(lanes * n, *x.shape[2:]))
+            pair.append(be.scatter(pool, at, rows, donate=True))
+        pools.append(tuple(pair))
+    index = ci.make(torch.full((lanes, 1), n - 1), torch.from_numpy(table))
+
+    def forward(weights, tokens, index, pools):
+        logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
+                                      last=True)
+        return xp.argmax(logits[:, 0, :], axis=-1), pools
+
+    run = be.inference(forward)
+    state = {"index": index.advance(), "tok": torch.from_numpy(first).reshape(lanes, 1),
+             "pools": pools}
+
+    def step():
+        with contextlib.nullcontext() if read_once else runs.unshared():
+            chosen, state["pools"] = run(weights, state["tok"], state["index"], state["pools"])
+        state["tok"] = xp.reshape(chosen, (lanes, 1))
+        state["index"] = state["index"].advance()
+        return devices.to_host(chosen).reshape(-1).tolist()
+
+    return lc.timed_steps(step, steps)
+
+
+def hf_static(model, layers, first, prefix: int, steps: int):
+    """transformers' static cache, each lane's prefix its own copy."""
+    lc.BATCH = len(first)
+    try:
+        return lc.hf_engine(model, layers, first, prefix + OWN, steps, "static", "cpu")
+    finally:
+        lc.BATCH = 8
+
+
+def rows_for(model, config, params, bw: float, prefix: int, lanes: int, steps: int,
+             engines: list[str]) -> list[dict]:
+    layers, first = caches(config, lanes, prefix)
+    wbytes = lc.weight_bytes(params)
+    row = 2 * config.layers * config.kv_heads * config.head_dim * 4  # bytes a token, all layers
+    floor = (wbytes + row * (prefix + lanes * OWN)) / bw
+    unshared = wbytes + row * lanes * (prefix + OWN)
+    out, tokens = [], {}
+    for engine in engines:
+        t0 = time.perf_counter()
+        if engine == "transformers static":
+            toks, seconds = hf_static(model, layers, first, prefix, steps)
+        else:
+            toks, seconds = ci_shared(config, params, layers, first, prefix, steps,
+                                      shared=True, read_once=engine == "cacheidx shared reads")
+        tokens[engine] = toks
+        med = statistics.median(seconds)
+        out.append({"prefix": prefix, "lanes": lanes, "engine": engine,
+                    "context": prefix, "tokens_per_s": lanes / med, "step_ms": 1e3 * med,
+                    "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
+                    "floor_ms": 1e3 * floor, "unshared_floor_ms": 1e3 * unshared / bw,
+                    "wall_s": time.perf_counter() - t0})
+        say(f"{engine}, {lanes} lanes under {prefix}: {lanes / med:.1f} tokens/s (step "
+            f"{1e3 * med:.1f} ms, {1e3 * min(seconds):.1f} to {1e3 * max(seconds):.1f}); floor "
+            f"{1e3 * floor:.1f} ms")
+    ref = next(iter(tokens.values()))
+    for r in out:
+        r["same_tokens"] = tokens[r["engine"]] == ref
+    return out
+
+
+def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
+    """A batch whose lanes share nothing, its plan looking for shared prefixes and not."""
+    layers, first = caches(config, lanes, prefix, seed=2)
+    got = {}
+    for look in (True, False):
+        # three rounds each, alternating, so that a slow spell of the machine hits both
+        got[look] = []
+        for _ in range(3):
+            _, seconds = ci_shared(config, params, layers, first, prefix, steps, shared=False,
+                                   read_once=look)
+            got[look].append(statistics.median(seconds))
+    on, off = min(got[True]), min(got[False])
+    say(f"nothing shared, {lanes} lanes of {prefix}: looking {1e3 * on:.2f} ms, not "
+        f"{1e3 * off:.2f} ms a step ({100 * (on / off - 1):+.1f}%)")
+    return {"prefix": prefix, "lanes": lanes, "looking_ms": 1e3 * on, "not_looking_ms": 1e3 * off,
+            "rounds_looking_ms": [1e3 * x for x in got[True]],
+            "rounds_not_ms": [1e3 * x for x in got[False]]}
+
+
+ENGINES = ["transformers static", "cacheidx own reads", "cacheidx shared reads"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="a 1k prefix, 8 lanes, 4 steps")
+    p.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--lanes", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--engines", nargs="+", default=ENGINES)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefixes, args.lanes, args.steps = [1024], [8], 4
+    model = lc.shaped_model()
+    config, params = lc.ours(model)
+    bw = lc.bandwidth()
+    say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
+    decode = []
+    for lanes in args.lanes:
+        for prefix in args.prefixes:
+            decode += rows_for(model, config, params, bw, prefix, lanes, args.steps,
+                               args.engines)
+    none = nothing_shared(config, params, 4096 if not args.quick else 1024, 8, args.steps)
+    print(f"Decode under a shared prefix, SmolLM2-135M's shape cut to 2 layers: {OWN} tokens "
+          f"of each lane's own, one thread, {args.steps} steps after one to warm up; the floor "
+          "reads the weights, the prefix once and the lanes' own tokens "
+          f"({bw / 1e9:.1f} GB/s).\n")
+    print("| lanes | prefix | engine | tokens/s | vs own reads | vs transformers static | "
+          "step ms (fastest-slowest) | floor ms | floor without sharing ms | same tokens |")
+    print("|---:|---:|---|---:|---:|---:|---|---:|---:|---|")
+    for r in decode:
+        same = [x for x in decode if (x["lanes"], x["prefix"]) == (r["lanes"], r["prefix"])]
+        own = next((x for x in same if x["engine"] == "cacheidx own reads"), None)
+        hf = next((x for x in same if x["engine"] == "transformers static"), None)
+        spread = f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f})"
+        print(f"| {r['lanes']} | {r['prefix']} | {r['engine']} | {r['tokens_per_s']:.1f} | "
+              f"{_ratio(r, own)} | {_ratio(r, hf)} | {spread} | {r['floor_ms']:.1f} | "
+              f"{r['unshared_floor_ms']:.1f} | {'yes' if r['same_tokens'] else 'NO'} |")
+    print(f"\nNothing shared ({none['lanes']} lanes, each its own prefix of {none['prefix']}): "
+          f"a step {none['looking_ms']:.2f} ms with the plan looking for shared prefixes, "
+          f"{none['not_looking_ms']:.2f} ms without "
+          f"({100 * (none['looking_ms'] / none['not_looking_ms'] - 1):+.1f}%; the best of three "
+          "rounds of each, alternating).\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"decode": decode, "nothing_shared": none},
+                                              indent=1))
+    return 0
+
+
+def _ratio(row: dict, base: dict | None) -> str:
+    return f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
