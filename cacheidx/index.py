@@ -399,7 +399,9 @@ class CacheIndex:
                 arguments.owned("extend", "pool", part)
         self.follow()
         pool = self.store(values, pool, donate)
-        return self._read(pool, self.stands_for(values, pool)), pool
+        # the call's own values are read only under a draft (its tail of columns)
+        return self._read(pool, values if self.draft_slots is None
+                          else self.stands_for(values, pool)), pool
 
     def stands_for(self, values: Any, pool: Any) -> Any:
         """``values`` as ``pool`` gives them back: themselves, or their

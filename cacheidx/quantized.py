@@ -23,19 +23,24 @@ The laws, each kept once, here:
   library rounds alike, where a division is one a compiler may turn into a product by a
   reciprocal (XLA does, for a constant and for a scale broadcast over its row, eagerly and in
   ``jit``: it moved half of the halfway codes). An all-zero row has ``s = 0`` and codes zero,
-  never NaN; a row holding a NaN or an infinity has ``s = NaN`` and codes zero, so it reads as
-  NaN across the row, and attention's laws for values that are not finite then hold over it
-  as over a float pool (nothing is refused: a compiled step cannot look at its values).
+  never NaN, and so has a row whose scale would fall below float32's smallest normal number
+  (``a`` below ``127 * 2**-126``, about 1.5e-36, at 8 bits: XLA flushes such a scale to zero
+  on the CPU, and its reciprocal would overflow); a row holding a NaN or an
+  infinity has ``s = NaN`` and codes zero, so it reads as NaN across the row, and attention's
+  laws for values that are not finite then hold over it as over a float pool (nothing is
+  refused: a compiled step cannot look at its values). A scale past its dtype's largest
+  (float16 scales of rows beyond ``65504 * Q``) is infinite: the row reads as not finite.
 - **Q2, the values** (:func:`dequantize`). Element ``i`` of a stored row is ``c_i * s`` in
   float32. A call through a quantized pool is the call through a float pool holding its rows'
   values, :func:`roundtrip` of its own: ``extend``'s seen is the codes times their scales,
   read as ``extend`` reads a float pool (its zeroing law unchanged), and ``attend`` equals
   softmax attention over that seen.
 - **Q3, the error.** ``|x_i - c_i s| <= s / 2``, beyond the float32 roundings of ``1 / s``
-  and ``x_i * (1 / s)`` (a relative ``2**-23`` of ``|x_i|``), for both widths: ``s / 2`` is
-  ``a / 254`` at 8 bits and ``a / 14`` at 4 bits. The scale's own rounding to a narrower
-  dtype moves ``s``, never the bound: the codes are computed from the rounded scale, clipped
-  at ``Q``.
+  and ``x_i * (1 / s)`` (a relative ``2**-23`` of ``|x_i|``), for both widths and every row
+  whose scale is a normal float32: ``s / 2`` is ``a / 254`` at 8 bits and ``a / 14`` at 4
+  bits (a row flushed to zero errs by its own size, below ``Q`` times the smallest normal).
+  The scale's own rounding to a narrower dtype moves ``s``, never the bound: the codes are
+  computed from the rounded scale, clipped at ``Q``.
 - **4-bit codes, packed.** Byte ``i`` of a row holds code ``i`` in its low four bits and code
   ``i + d/2`` in its high four, each as ``c + 8`` (so a row is two halves; a product over a
   row is one over each half, never an interleave to undo).
@@ -144,6 +149,10 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     """``(codes, scales)`` of rows ``x`` ``[..., d]`` (law Q1): codes ``[..., d]`` int8, or
     ``[..., d // 2]`` uint8 at 4 bits; scales ``[...]`` in ``scale_dtype`` (float32). ``xp``
     is ``x``'s namespace (found from ``x`` without it; a compiler traces faster with it)."""
+    bits = width("quantized.quantize", bits)
+    if bits == 4 and int(x.shape[-1]) % 2:
+        raise arguments.fail("quantized.quantize", "4-bit codes pack two to a byte: the rows' "
+                             f"length must be even, got {int(x.shape[-1])}")
     xp = xp or _xp(x)
     q = LARGEST[bits]
     f32 = xp.float32
@@ -154,9 +163,12 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     s = xp.where(finite, top * _INVERSE[bits], xp.asarray(xp.nan, dtype=f32))
     if scale_dtype != f32:
         s = xp.astype(xp.astype(s, scale_dtype), f32)  # the codes follow the stored scale
+    # a scale below float32's smallest normal is zero (XLA flushes it so on the CPU; kept, its
+    # reciprocal would overflow)
+    s = xp.where(finite & (s < xp.finfo(f32).smallest_normal), xp.zeros((), dtype=f32), s)
     ok = finite & (s > 0)
-    # an all-zero row, or one that is not finite, divides by one and keeps codes zero
-    # times the scale's reciprocal, not divided by the scale: XLA divides by a broadcast row so
+    # an all-zero row, or one that is not finite, divides by one and keeps codes zero; times
+    # the scale's reciprocal, not divided by the scale: XLA divides by a broadcast row so
     # (eagerly and in jit), which moves half of the halfway codes; a product rounds alike
     # everywhere
     c = xp.round(x * (1.0 / xp.where(ok, s, xp.ones((), dtype=f32)))[..., None])
@@ -193,6 +205,7 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
 
 def roundtrip(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None) -> Any:
     """``x`` as a quantized pool would give it back: :func:`dequantize` of :func:`quantize`."""
+    bits = width("quantized.roundtrip", bits)
     xp = xp or _xp(x)
     return dequantize(quantize(x, bits, scale_dtype=scale_dtype, xp=xp), xp=xp)
 

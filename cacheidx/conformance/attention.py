@@ -265,3 +265,60 @@ def law_a_value_a_token_does_not_see_never_reaches_it_infinities_included(case: 
     at = kinds["select" if case.compiled else "window"]
     unseen_infinities(case, at, "a NaN sink", inputs(case, at, 22, 44), attend_capped,
                       (nan_sinks,), head=True, **{**capped, "sinks": nan_sinks})
+
+
+# -- shared prefixes ---------------------------------------------------------------------------
+PAGE = 16  #: a page's slots in the shared-prefix cases: five pages make the 80-column prefix
+
+
+def _pages(*pages: int) -> list[int]:
+    """The slots of ``pages``, in order: one row of a paged table."""
+    return [p * PAGE + i for p in pages for i in range(PAGE)]
+
+
+def sharing_cases() -> dict:
+    """Indices whose lanes share a prefix, each with the groups the plan must find (lanes, shared
+    columns), as ``(pos, table, row, window, groups)``: pages 0-4 (and 10-14) are prefixes,
+    every lane's sixth page its own."""
+    one = [_pages(0, 1, 2, 3, 4, 5 + b) for b in range(4)]
+    two = [_pages(0, 1, 2, 3, 4, 20 + b) for b in range(2)] + [
+        _pages(10, 11, 12, 13, 14, 22 + b) for b in range(2)]
+    holed = [row[:] for row in one[:3]]
+    for row in holed:
+        row[70] = -1  # a hole in the prefix: the tiles read the call (they read it as zero)
+    wide = [_pages(0, 1, 2, 3, 4, 5 + b, 9, 15) for b in range(3)]  # 128 columns
+    return {
+        "one prefix": ([[85], [85], [90], [84]], one, None, None, [((0, 1, 2, 3), 80)]),
+        "two tokens a lane": ([[84, 85], [84, 85], [90, 91], [84, 85]], one, None, None,
+                              [((0, 1, 2, 3), 80)]),
+        "two groups": ([[85], [86], [87], [88]], two, None, None,
+                       [((0, 1), 80), ((2, 3), 80)]),
+        "a hole in the prefix": ([[85], [85], [90]], holed, None, None, []),
+        "a window starting inside it": ([[90], [90], [125]], wide, None, 100,
+                                        [((0, 1), 80)]),
+        "a padding lane": ([[85], [-1], [90], [84]], one, None, None, [((0, 2, 3), 80)]),
+        "lanes naming one sequence": ([[85], [86], [88]], one[:2], [0, 0, 1], None,
+                                      [((0, 1, 2), 80)]),
+    }
+
+
+@law(family="attention", modes=MODES)
+def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Case) -> None:
+    """Lanes whose tables name the same slots from column 0 and whose every query sees them
+    read that prefix once (the plan finds exactly the groups each case names: all lanes under
+    one prefix, two groups, a prefix with a hole, a lane whose window starts inside it, a
+    padding lane, lanes naming one sequence) and attend's output is softmax attention over
+    extend's seen all the same, its pools extend's bit for bit. (Compiled: the first case, one
+    program; torch's operator runs the eager path, JAX's program reads each lane's own.)"""
+    from ..attention import runs
+
+    slots = 30 * PAGE
+    for seed, (what, (pos, table, row, window, groups)) in enumerate(sharing_cases().items()):
+        if case.compiled and seed:
+            break
+        ix = index(case, pos, table, row=row)
+        if window is not None:
+            ix = ix.window(window)
+        found = runs.sharing(ix.map(case.numpy), slots, HEADS, tile=TILE)
+        assert found == groups, f"{what}: the plan shares {found}, want {groups}"
+        check(case, ix, inputs(case, ix, slots, 60 + seed), what, head=seed % 2 == 0)
