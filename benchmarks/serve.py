@@ -1,7 +1,7 @@
 """Serving with an online prefix cache: prompt tokens computed on a multi-turn chat and a
 shared-prompt agent workload (no cache, the cache at 25/50/100% of the pages an unbounded
 one uses, an offline least-recently-used simulation, the ideal), matching speed, and SmolLM2
-end to end beside transformers.
+end to end beside transformers (and over int8 pools, ``Engine(kv="int8")``).
 
 The token figures come from ``cacheidx.serve.Engine`` itself (its scheduler and prefix cache)
 with a scripted executor in place of the model: each request "generates" its scripted
@@ -251,8 +251,10 @@ def end_to_end(full):
     say(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s")
     model = LlamaModel(config, params)
     rows, runs = [], {}
-    for label, cache in (("cacheidx numpy, cache", True), ("cacheidx numpy, no cache", False)):
-        engine = Engine(model, pages=1024, page_size=P, lanes=8, cache=cache)
+    for label, cache, kv in (("cacheidx numpy, cache", True, None),
+                             ("cacheidx numpy, no cache", False, None),
+                             ("cacheidx numpy, cache, int8 pools", True, "int8")):
+        engine = Engine(model, pages=1024, page_size=P, lanes=8, cache=cache, kv=kv)
         talks = {c: [{"role": "user", "content": QUESTIONS[c % 4][0] + f" ({c})"
                       if c >= 4 else QUESTIONS[c % 4][0]}] for c in range(conversations)}
 
@@ -274,8 +276,12 @@ def end_to_end(full):
             f"{f['computed_tokens']} of {f['prompt_tokens']} prompt tokens computed")
         rows.append({"engine": label, "requests": len(results), "seconds": f["seconds"],
                      "generated": f["generated_tokens"], "computed": f["computed_tokens"],
-                     "prompt_tokens": f["prompt_tokens"],
+                     "prompt_tokens": f["prompt_tokens"], "cached": f["cached_tokens"],
                      "tokens_per_s": f["tokens_per_second"]})
+        if kv is not None:  # quantized pools: how many answers equal float32 pools' answers
+            base = {r.id: r.tokens for r in runs["cacheidx numpy, cache"]}
+            rows[-1]["same_answers_as_float32"] = sum(base.get(r.id) == r.tokens
+                                                      for r in results)
     # transformers, each request of the cached run's trace alone, from scratch
     import torch
 
@@ -374,6 +380,12 @@ def main(argv=None) -> int:
                       f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
             print(f"\ntransformers' greedy answers equal cacheidx's for {e2e[-1]['same_answers']} "
                   f"of {e2e[-1]['requests']} requests.")
+            for r in e2e:
+                if "same_answers_as_float32" in r:
+                    print(f"Over int8 pools: {r['same_answers_as_float32']} of {r['requests']} "
+                          f"answers equal float32 pools'; prompt tokens read from the cache "
+                          f"{r['cached']:,} of {r['prompt_tokens']:,} "
+                          f"({100 * r['cached'] / max(1, r['prompt_tokens']):.0f}%).")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -162,10 +162,11 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
         blocks = []
         for i0, i1 in _spans(index.seq, ROWS):
             size = tile or max(16, scores // ((i1 - i0) * heads))
-            pieces = []
+            pieces, short = [], set()
             for a, e in zip(starts, ends):
                 if a == e:
                     continue  # a lane no token sees
+                first = len(pieces)
                 c_first = int(cols[a])
                 for p0, p1 in _spans(int(e - a), size):
                     c0, c1 = c_first + p0, c_first + p1
@@ -176,7 +177,9 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
                         seen = part.sees_columns(np.arange(c0, c1)[None, None, :])
                     if seen.any():
                         pieces.append(_Piece(c0, c1, int(slots[a]) + p0, bool(seen.all())))
-            blocks.append((i0, i1, _gather(index, pieces, n)))
+                if e - a < GATHER:  # a short run's pieces (a page or a few of a paged lane)
+                    short.update(range(first, len(pieces)))
+            blocks.append((i0, i1, _gather(index, pieces, short, n, max(size, GATHER))))
         lanes.append(blocks)
     return _Runs(lanes, groups)
 
@@ -192,19 +195,32 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None,
     return [] if not found else [(g.lanes, g.width) for g in found.groups]
 
 
-def _gather(index: Any, pieces: list[_Piece], n: int) -> list[Any]:
-    """``pieces`` with the short ones every query sees whole, but the last (the one a decode
-    step grows, :func:`carry`), read as one :class:`_Gathered` tile where there are several."""
-    short = [p for p in pieces[:-1] if p.full and p.c1 - p.c0 < GATHER]
-    if len(short) < 2:
+def _gather(index: Any, pieces: list[_Piece], short: set[int], n: int, most: int
+            ) -> list[Any]:
+    """``pieces`` with those of short runs (their places in ``short``) every query sees whole,
+    but the last (the one a decode step grows, :func:`carry`), read as :class:`_Gathered`
+    tiles of at most ``most`` columns each, where several would be read together."""
+    chosen = [p for i, p in enumerate(pieces[:-1]) if i in short and p.full]
+    if len(chosen) < 2:
         return pieces
     xp = index.xp
-    slots = np.concatenate([np.arange(p.s0, p.s0 + p.c1 - p.c0) for p in short])
     where = {} if index.device is None else {"device": index.device}
-    at = xp.asarray(slots, **where)
-    read = index.backend.read_plan(at, xp.ones(at.shape, dtype=xp.bool, **where), n)
-    rest = [p for p in pieces if p not in short]
-    return [_Gathered(int(slots.size), read), *rest]
+    tiles, now, width = [], [], 0
+    for p in chosen:
+        if now and width + p.c1 - p.c0 > most:
+            tiles.append(now)
+            now, width = [], 0
+        now.append(p)
+        width += p.c1 - p.c0
+    tiles.append(now)
+    gathered = []
+    for tile in tiles:
+        slots = np.concatenate([np.arange(p.s0, p.s0 + p.c1 - p.c0) for p in tile])
+        at = xp.asarray(slots, **where)
+        read = index.backend.read_plan(at, xp.ones(at.shape, dtype=xp.bool, **where), n)
+        gathered.append(_Gathered(int(slots.size), read))
+    taken = {id(p) for p in chosen}
+    return [*gathered, *(p for p in pieces if id(p) not in taken)]
 
 
 def _groups(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
