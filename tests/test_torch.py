@@ -645,8 +645,15 @@ def test_compiled_attend_is_the_eager_call_in_one_operator(window):
     from cacheidx.attention.torch import operands
 
     torch.library.opcheck(torch.ops.cacheidx.attend,
-                          (*operands(index), q, k, v, kpool.clone(), vpool.clone(), None, 0.5,
+                          (*operands(index), q, k, v, [kpool.clone(), vpool.clone()], None, 0.5,
                            3.0, None))
+    # quantized pools travel as their codes and scales, four mutated tensors
+    from cacheidx import quantized
+
+    pools = [part for pool in (kpool, vpool)
+             for part in quantized.quantize(pool, 8)]
+    torch.library.opcheck(torch.ops.cacheidx.attend,
+                          (*operands(index), q, k, v, pools, None, 0.5, 3.0, None))
 
 
 def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients():
