@@ -259,6 +259,7 @@ def plots(stem: str, data, img: Path) -> list[str]:
                                  squeeze=False)
         for ax, model in zip(axes[0], models):
             mine = [r for r in decode if r.get("model", "") == model]
+            batch = mine[0].get("lanes", data.get("batch", 8))  # a row may say its lanes
             for engine in dict.fromkeys(r["engine"] for r in mine):
                 pts = sorted((r["context"], r["tokens_per_s"]) for r in mine
                              if r["engine"] == engine)
@@ -267,12 +268,12 @@ def plots(stem: str, data, img: Path) -> list[str]:
             floor = sorted({(r["context"], r["floor_ms"]) for r in mine if r.get("floor_ms")})
             if floor:
                 ax.plot([c for c, _ in floor],
-                        [data.get("batch", 8) * 1e3 / f for _, f in floor],
+                        [batch * 1e3 / f for _, f in floor],
                         color="#999999", ls=":", label="memory-bandwidth bound")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens in each lane's cache")
-            ax.set_ylabel("decode tokens/s (batch 8)")
+            ax.set_ylabel(f"decode tokens/s (batch {batch})")
             ax.set_title(model.split(" (")[0] or f"{stem}: decode against context", fontsize=9)
             ax.legend(fontsize=7)
         save(fig, "decode")

@@ -157,6 +157,7 @@ def rows_for(model, config, params, bw: float, prefix: int, lanes: int, steps: i
         tokens[engine] = toks
         med = statistics.median(seconds)
         out.append({"prefix": prefix, "lanes": lanes, "engine": engine,
+                    "model": f"{lanes} lanes under one prefix, {OWN} tokens each of their own",
                     "context": prefix, "tokens_per_s": lanes / med, "step_ms": 1e3 * med,
                     "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
                     "floor_ms": 1e3 * floor, "unshared_floor_ms": 1e3 * unshared / bw,
@@ -171,7 +172,10 @@ def rows_for(model, config, params, bw: float, prefix: int, lanes: int, steps: i
 
 
 def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
-    """A batch whose lanes share nothing, its plan looking for shared prefixes and not."""
+    """A batch whose lanes share nothing, its plan looking for shared prefixes and not: whole
+    steps, and the plan alone (what looking adds, measured without the steps' noise)."""
+    from cacheidx.attention import runs
+
     layers, first = caches(config, lanes, prefix, seed=2)
     got = {}
     for look in (True, False):
@@ -182,9 +186,27 @@ def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
                                    read_once=look)
             got[look].append(statistics.median(seconds))
     on, off = min(got[True]), min(got[False])
+    # the looking itself, on the host: a step's plan made with and without it (the best of 20)
+    import torch
+
+    import cacheidx as ci
+    from cacheidx.attention import SCORES
+
+    table, slots = layout(lanes, prefix, steps, False)
+    index = ci.make(torch.full((lanes, 1), prefix + OWN), torch.from_numpy(table))
+    heads = config.heads
+    plan = {}
+    for look in (True, False):
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            runs._plan(index, slots, SCORES, heads, None, look)
+            best = min(best, time.perf_counter() - t0)
+        plan[look] = best
     say(f"nothing shared, {lanes} lanes of {prefix}: looking {1e3 * on:.2f} ms, not "
         f"{1e3 * off:.2f} ms a step ({100 * (on / off - 1):+.1f}%)")
     return {"prefix": prefix, "lanes": lanes, "looking_ms": 1e3 * on, "not_looking_ms": 1e3 * off,
+            "plan_looking_ms": 1e3 * plan[True], "plan_not_looking_ms": 1e3 * plan[False],
             "rounds_looking_ms": [1e3 * x for x in got[True]],
             "rounds_not_ms": [1e3 * x for x in got[False]]}
 
@@ -232,7 +254,10 @@ def main(argv=None) -> int:
           f"a step {none['looking_ms']:.2f} ms with the plan looking for shared prefixes, "
           f"{none['not_looking_ms']:.2f} ms without "
           f"({100 * (none['looking_ms'] / none['not_looking_ms'] - 1):+.1f}%; the best of three "
-          "rounds of each, alternating).\n")
+          "rounds of each, alternating: this machine's rounds differ by more than the looking "
+          f"costs). The looking itself, on the host: a step's plan made in "
+          f"{none['plan_looking_ms']:.3f} ms with it, {none['plan_not_looking_ms']:.3f} ms "
+          "without (best of 20), once a step for every layer.\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"decode": decode, "nothing_shared": none},
                                               indent=1))
