@@ -206,7 +206,8 @@ def _load() -> Any:
         return None
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     cc = cc.split()[0]
-    digest = hashlib.sha256((SOURCE + " ".join([cc, *FLAGS]) + sys.platform).encode())
+    # -march=native: a build is this CPU's own (a home folder shared by machines keeps one each)
+    digest = hashlib.sha256((SOURCE + " ".join([cc, *FLAGS]) + sys.platform + _cpu()).encode())
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cacheidx"
     lib = home / f"runs-{digest.hexdigest()[:16]}.so"
     try:
@@ -230,6 +231,18 @@ def _load() -> Any:
     fn.argtypes = [i, i, i, i, i, i, i, p, p, ln, ln, p, ln, ln, p, ln, ln, p, ln, ln, p, p, p]
     fn.restype = i
     return fn
+
+
+def _cpu() -> str:
+    """What names this machine's CPU: its model and feature flags where Linux says them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    import platform
+
+    return platform.machine() + platform.processor() + "".join(lines)
 
 
 def _memory(x: Any) -> tuple[int, tuple[int, ...]] | None:
