@@ -105,11 +105,29 @@ class _Group(NamedTuple):
     pieces: list[_Piece]
 
 
+class _Own(NamedTuple):
+    """The columns of their own of the lanes that share a prefix, read as one tile for all of
+    them: ``[len(lanes), width]`` slots through the backend's read plan ``read``, ``mask``
+    ``[len(lanes), seq, width]`` (a column past a lane's own is seen by none of its tokens)."""
+
+    lanes: tuple[int, ...]
+    width: int
+    read: Any
+    mask: Any
+
+
 class _Runs(NamedTuple):
-    """A call's runs: each lane's blocks of its own pieces, and the groups sharing a prefix."""
+    """A call's runs: each lane's blocks of its own pieces, the groups sharing a prefix, and
+    (where they are short) the sharing lanes' own columns as one tile."""
 
     lanes: list[_Blocks]
     groups: list[_Group]
+    own: _Own | None = None
+
+
+#: the most columns of its own a lane sharing a prefix may hold for its lanes' own columns to
+#: be read as one tile (a decode step's few since the prefix); past it, each lane's runs
+OWN = 512
 
 
 #: the fewest columns a shared prefix must hold to be read once for its lanes (below, each
@@ -181,7 +199,38 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
                     short.update(range(first, len(pieces)))
             blocks.append((i0, i1, _gather(index, pieces, short, n, max(size, GATHER))))
         lanes.append(blocks)
-    return _Runs(lanes, groups)
+    return _Runs(lanes, groups, _own(index, on_host, whole, groups, n))
+
+
+def _own(index: Any, on_host: Any, whole: np.ndarray | None, groups: list[_Group], n: int
+         ) -> _Own | None:
+    """The sharing lanes' own columns (past their prefix, seen by some token of the lane) as
+    one tile (:class:`_Own`), where each lane holds at most :data:`OWN` of them inside the
+    pool; ``None`` otherwise."""
+    if not groups or whole is None:
+        return None
+    table, some = on_host.lane_table, on_host.seen_by_some()
+    lanes, cols = [], []
+    for g in groups:
+        for b in g.lanes:
+            mine = np.flatnonzero(some[b])
+            mine = mine[mine >= g.width]
+            if mine.size > OWN or not np.all(inside(table[b, mine], n)):
+                return None
+            lanes.append(b)
+            cols.append(mine)
+    width = max(1, max(c.size for c in cols))
+    slots = np.full((len(lanes), width), -1, dtype=np.int64)
+    mask = np.zeros((len(lanes), index.seq, width), dtype=bool)
+    for i, (b, c) in enumerate(zip(lanes, cols)):
+        slots[i, :c.size] = table[b, c]
+        mask[i, :, :c.size] = whole[b][:, c]
+    xp = index.xp
+    where = {} if index.device is None else {"device": index.device}
+    at = xp.asarray(np.reshape(np.maximum(slots, 0), (-1,)), **where)
+    ok = xp.asarray(np.reshape(slots >= 0, (-1,)), **where)
+    read = index.backend.read_plan(at, ok, n)
+    return _Own(tuple(lanes), width, read, xp.asarray(mask, **where))
 
 
 def sharing(index: Any, n: int, heads: int, tile: int | None = None,
@@ -268,7 +317,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
     if (not runs or index.seq != 1 or nxt.seq != 1 or index.block != 1
             or index.window_size is not None):
         return None
-    lanes, groups = runs
+    lanes, groups = runs.lanes, runs.groups
     own = {b: g.width for g in groups for b in g.lanes}
     on_host = _host_index(nxt)
     table, pos = on_host.lane_table, on_host.pos[:, 0]
@@ -292,7 +341,12 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
         else:
             return None  # a new run: found anew, with the runs' bound
         out.append([(i0, i1, pieces)])
-    return _Runs(out, groups)
+    own = None
+    if runs.own is not None:  # the own tile, one column longer: made again (a host pass)
+        own = _own(nxt, on_host, on_host.mask(), groups, n)
+        if own is None:
+            return None
+    return _Runs(out, groups, own)
 
 
 plans.CARRY["runs"] = carry
@@ -331,7 +385,7 @@ def read(call: Any, scores: int) -> Any | None:
                          lambda: _plan(index, n, scores, heads, call.tile, share) or ())
     if not runs:
         return None
-    lanes, groups = runs
+    lanes, groups, own = runs
     kv, dv = int(kpool.shape[1]), int(vpool.shape[-1])
     grouped = group(xp, q, "lane", kv, call.scale)  # [batch, kv, g, seq, d], once for all
     # a head-major pool's heads are each a contiguous block: a product streams one whole
@@ -341,10 +395,34 @@ def read(call: Any, scores: int) -> Any | None:
     for g in groups:  # each shared prefix read once, for all its lanes
         for b, state in zip(g.lanes, _shared(call, g, grouped, dv, interleaved, products)):
             shared.setdefault(b, []).append(state)
-    out = xp.concat([_lane(call, lambda b=b: _one_lane(index, b), blocks,
+    outs = {} if own is None else _owned(call, own, grouped, dv, shared)
+    out = xp.concat([outs[b] if b in outs else
+                     _lane(call, lambda b=b: _one_lane(index, b), blocks,
                            grouped[b:b + 1, ...], dv, interleaved, products, shared.get(b, ()))
                      for b, blocks in enumerate(lanes)], axis=0)
     return ungroup(xp, out, "lane", q.dtype)
+
+
+def _owned(call: Any, own: _Own, grouped: Any, dv: int, shared: dict) -> dict[int, Any]:
+    """The outputs of the lanes sharing a prefix, their own columns read as one tile for all
+    of them (a product per kv head over ``[lanes, width]`` gathered rows), each lane's states
+    over its prefix merged in first: one online softmax for every such lane, not one a lane."""
+    xp, index = call.index.xp, call.index
+    lanes = list(own.lanes)
+    state = Online(xp, "lane", xp.concat([grouped[b:b + 1, ...] for b in lanes], axis=0), dv,
+                   call.softcap, call.q.dtype)
+    parts = [shared[b][0] for b in lanes]  # a lane shares one prefix: its group's
+    state.merge(*(xp.concat([p[i] for p in parts], axis=0) for i in range(3)))
+
+    def rows(pool: Any) -> Any:
+        if isinstance(pool, Quantized):
+            return pool.map(rows)
+        got = index.backend.read(pool, own.read)
+        return xp.reshape(got, (len(lanes), own.width, *pool.shape[1:]))
+
+    state.add(rows(call.kpool), rows(call.vpool), own.mask)
+    out = state.normalised(call.sinks)
+    return {b: out[i:i + 1, ...] for i, b in enumerate(lanes)}
 
 
 def _shared(call: Any, group: _Group, grouped: Any, dv: int, interleaved: bool,
