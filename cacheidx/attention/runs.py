@@ -24,12 +24,13 @@ the column (:func:`sharing`); where that prefix holds at least :data:`SHARED` co
 are read once for all the group's lanes, their queries stacked as one lane's heads, each kv
 head's product over a piece serving all of them (Hydragen's and FlashInfer's cascade), and each
 lane's state over it is merged exactly into the state over its own columns
-(:meth:`~cacheidx.attention.softmax.Online.merge`). The law is attend's own; only the order of
-the sums changes. A lane whose window starts inside the prefix, a padding lane and a call of
-more than :data:`ROWS` tokens a lane (a long prefill) read their columns as their own; a
-prefix with a hole is read by the tiles, as every call with a hole is. The standard's tiles
-and JAX's program do not share (each lane reads its columns; the law holds the same); torch's
-compiled operator runs this code, so it does.
+(:meth:`~cacheidx.attention.softmax.Online.merge`), which the group's lanes read as one tile
+for all of them where each holds at most :data:`OWN` (:class:`_Own`). The law is attend's own;
+only the order of the sums changes. A lane whose window starts inside the prefix, a padding
+lane and a call of more than :data:`ROWS` tokens a lane (a long prefill) read their columns as
+their own; a prefix with a hole is read by the tiles, as every call with a hole is. The
+standard's tiles and JAX's program do not share (each lane reads its columns; the law holds the
+same); torch's compiled operator runs this code, so it does.
 
 A lane's short runs (the pages of its own a paged table scatters: fewer than :data:`GATHER`
 columns each, seen whole) but the last are gathered into one tile, read through the backend's
