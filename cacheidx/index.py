@@ -17,7 +17,7 @@ from . import _arguments as arguments
 from . import backends
 from .laws import block_of, closes, inside, sees, stands
 from .plan import Plan
-from .quantized import Quantized
+from .quantized import Quantized, parts
 
 __all__ = ["CacheIndex", "Structure", "attends_with"]
 
@@ -395,7 +395,7 @@ class CacheIndex:
         if self.kind != "tabled":
             return self.seen_whole(self.stands_for(values, pool)), pool
         if donate:
-            for part in _parts(pool):
+            for part in parts(pool):
                 arguments.owned("extend", "pool", part)
         self.follow()
         pool = self.store(values, pool, donate)
@@ -600,11 +600,6 @@ class CacheIndex:
     def _last_of(self, cols: Any) -> Any:
         """Each lane's greatest position, shaped to broadcast against ``cols``."""
         return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
-
-
-def _parts(pool: Any) -> tuple[Any, ...]:
-    """The arrays a pool is: itself, or a quantized pool's codes and scales."""
-    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
 
 
 def _arrays(value: Any) -> list[Any]:

@@ -54,7 +54,7 @@ import numpy as np
 
 from . import _arguments as arguments
 
-__all__ = ["Quantized", "dequantize", "floats", "quantize", "roundtrip", "zeros"]
+__all__ = ["Quantized", "dequantize", "floats", "parts", "quantize", "roundtrip", "zeros"]
 
 #: the largest code of each width
 LARGEST = {8: 127, 4: 7}
@@ -90,6 +90,11 @@ class Quantized(NamedTuple):
     def map(self, fn: Any) -> Quantized:
         """``Quantized(fn(codes), fn(scales))``: what a law over slots does to each."""
         return Quantized(fn(self.codes), fn(self.scales))
+
+
+def parts(pool: Any) -> tuple[Any, ...]:
+    """The arrays a pool is: itself, or a quantized pool's codes and scales."""
+    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
 
 
 def _packed(codes: Any) -> bool:

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 from .. import _arguments as arguments
 from .. import backends
 from ..index import attends_with
-from ..quantized import Quantized
+from ..quantized import Quantized, parts
 from . import runs, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
@@ -206,7 +206,7 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
                              "would be stored over the keys; pass a pool of its own for each, "
                              "or donate=False")
         for name, pool in (("kpool", kpool), ("vpool", vpool)):
-            for part in (pool if isinstance(pool, Quantized) else (pool,)):
+            for part in parts(pool):
                 arguments.owned("attend", name, part)
     index.validate(k, kpool, "attend", "k")
     index.validate(v, vpool, "attend", "v")

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..plan import Recent
-from ..quantized import Quantized
+from ..quantized import Quantized, parts
 from . import layout
 
 __all__ = ["HeadMajor", "TorchPath", "operands"]
@@ -41,8 +41,8 @@ class TorchPath:
             # the operator plans its reads on the host, which a CUDA graph cannot capture
             # (the engine replays its steps as ones): on a GPU the traced tiles stay
             return None
-        arrays = [a for a in (call.q, call.k, call.v, *_pair_parts(call.kpool),
-                              *_pair_parts(call.vpool), call.sinks) if a is not None]
+        arrays = [a for a in (call.q, call.k, call.v, *parts(call.kpool), *parts(call.vpool),
+                              call.sinks) if a is not None]
         if torch.is_grad_enabled() and any(a.requires_grad for a in arrays):
             return None
         kpool, vpool = call.kpool, call.vpool
@@ -50,7 +50,7 @@ class TorchPath:
             return None  # one pool quantized, the other not: the traced tiles
         if not call.donate:  # the caller keeps its pools: the operator stores into copies
             kpool, vpool = _clone(kpool), _clone(vpool)
-        pools = [*kpool, *vpool] if isinstance(kpool, Quantized) else [kpool, vpool]
+        pools = [*parts(kpool), *parts(vpool)]
         out = torch.ops.cacheidx.attend(*operands(index), call.q, call.k, call.v, pools,
                                         call.sinks, call.scale, call.softcap, call.tile)
         return out, kpool, vpool
@@ -154,7 +154,7 @@ def _attend(structure: str, blocks: list[int], every: int, window: int, leaves: 
     with torch.inference_mode():
         out, kept, vkept = attend(index, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
                                   sinks=sinks, donate=True, tile=tile)
-        for pool, got in zip(pools, [*_pair_parts(kept), *_pair_parts(vkept)], strict=True):
+        for pool, got in zip(pools, [*parts(kept), *parts(vkept)], strict=True):
             if got is not pool:  # stored into a copy after all: the operator's are the pools
                 pool.copy_(got)
     # a tensor of its own, outside inference mode, with the fake's strides: the compiled
@@ -174,10 +174,6 @@ def _index(structure: Any, leaves: list[Tensor]) -> Any:
     from ..index import CacheIndex
 
     return CacheIndex.rebuild(structure, leaves, plan=_RECENT.plan(structure, leaves))
-
-
-def _pair_parts(pool: Any) -> tuple[Tensor, ...]:
-    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
 
 
 @_attend.register_fake
