@@ -20,6 +20,7 @@ from array_api_compat import device as device_of
 from conftest import BACKENDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serving import alone, chat
 
 import cacheidx as ci
 from cacheidx import demo, devices
@@ -296,37 +297,6 @@ def tiny():
     config = llama.Config.tiny()
     params = llama.random_params(config, seed=3)
     return config, params, LlamaModel(config, params)
-
-
-def alone(config, params, prompt, max_new):
-    """Greedy tokens and the last step's logits of ``prompt`` computed alone, whole, on NumPy."""
-    seq, out, logits = list(prompt), [], None
-    for _ in range(max_new):
-        index = ci.whole(1, len(seq))
-        logits, _ = llama.forward(params, config, np.asarray([seq]), index,
-                                  llama.empty_pools(config, 1), last=True)
-        logits = logits[0, 0]
-        out.append(int(np.argmax(logits)))
-        seq.append(out[-1])
-    return out, logits
-
-
-def chat(engine, conversations=10, turns=2, new=4, seed=0):
-    """Conversations sharing a system prompt; each next turn is the previous prompt, its answer
-    and a new user message (sent once the answer is back)."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, 64, 21).tolist()
-    users = {(c, t): rng.integers(0, 64, rng.integers(2, 9)).tolist()
-             for c in range(conversations) for t in range(turns)}
-
-    def follow(result):
-        c, t = result.id
-        if t + 1 < turns:
-            engine.submit(Request((c, t + 1), result.prompt_ids + result.tokens
-                                  + users[c, t + 1], new))
-
-    first = [Request((c, 0), system + users[c, 0], new) for c in range(conversations)]
-    return engine.run(first, on_finish=follow)
 
 
 CASES = [("numpy", False), ("numpy", True), ("torch", False), ("torch", True), ("jax", False),

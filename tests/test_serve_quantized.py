@@ -20,10 +20,13 @@ What is checked, and why it is the honest check:
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
 import pytest
+import serving
+from serving import alone
 
 import cacheidx as ci
 from cacheidx.conformance.pytest_plugin import backend_or_skip
@@ -41,35 +44,8 @@ def tiny():
     return config, params, LlamaModel(config, params)
 
 
-def alone(config, params, prompt, max_new, kv=None):
-    """Greedy tokens and the last step's logits of ``prompt`` alone, whole, on NumPy, through
-    pools of ``kv`` (a whole index's seen is their round trip of the call's keys and values)."""
-    seq, out, logits = list(prompt), [], None
-    for _ in range(max_new):
-        logits, _ = llama.forward(params, config, np.asarray([seq]), ci.whole(1, len(seq)),
-                                  llama.empty_pools(config, 1, kv=kv), last=True)
-        logits = logits[0, 0]
-        out.append(int(np.argmax(logits)))
-        seq.append(out[-1])
-    return out, logits
-
-
-def chat(engine, conversations=6, turns=2, new=4, seed=0):
-    """Conversations sharing a system prompt; each next turn is the previous prompt, its answer
-    and a new user message (sent once the answer is back)."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, 64, 21).tolist()
-    users = {(c, t): rng.integers(0, 64, rng.integers(2, 9)).tolist()
-             for c in range(conversations) for t in range(turns)}
-
-    def follow(result):
-        c, t = result.id
-        if t + 1 < turns:
-            engine.submit(Request((c, t + 1), result.prompt_ids + result.tokens
-                                  + users[c, t + 1], new))
-
-    first = [Request((c, 0), system + users[c, 0], new) for c in range(conversations)]
-    return engine.run(first, on_finish=follow)
+#: the chat workload of ``serving.chat``, six conversations unless told
+chat = functools.partial(serving.chat, conversations=6)
 
 
 def check_no_leak(engine):
