@@ -167,7 +167,9 @@ def hf_engine(model, layers, first, context: int, steps: int, kind: str, device:
 
 
 def ci_engine(config, params, layers, first, context: int, steps: int, backend: str,
-              compiled: bool, device: str):
+              compiled: bool, device: str, kv: str | None = None):
+    """cacheidx's decode steps over the pools ``llama.empty_pools`` makes (quantized ones of
+    ``kv``: "int8", "int4"), filled with ``layers``' keys and values."""
     import cacheidx as ci
     from cacheidx import devices
     from cacheidx.models import llama
@@ -180,14 +182,19 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
     weights = llama.convert(params, xp=xp, device=where)
     # the library's own pools (head-major on the CPU: cacheidx.attention.layout), filled
     pools = []
+    slots = xp.asarray(np.concat([np.arange(b * width, b * width + context)
+                                  for b in range(BATCH)]), device=where)
+
+    def filled(pool, x):
+        rows = xp.asarray(x.reshape(BATCH * context, *x.shape[2:]), device=where)
+        if isinstance(pool, ci.Quantized):  # the rows' codes and scales, each so
+            return ci.Quantized(*(be.scatter(p, slots, r, donate=True) for p, r in
+                                  zip(pool, ci.quantized.quantize(rows, pool.bits))))
+        return be.scatter(pool, slots, rows, donate=True)
+
     for (k, v), (pk, pv) in zip(layers, llama.empty_pools(config, BATCH * width,
-                                                          like=weights["embed"])):
-        slots = xp.asarray(np.concat([np.arange(b * width, b * width + context)
-                                      for b in range(BATCH)]), device=where)
-        rows = [xp.asarray(x.reshape(BATCH * context, *x.shape[2:]), device=where)
-                for x in (k, v)]
-        pools.append((be.scatter(pk, slots, rows[0], donate=True),
-                       be.scatter(pv, slots, rows[1], donate=True)))
+                                                          like=weights["embed"], kv=kv)):
+        pools.append((filled(pk, k), filled(pv, v)))
 
     def forward(weights, tokens, index, pools):
         logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
@@ -205,6 +212,11 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
         return devices.to_host(chosen).reshape(-1).tolist()
 
     return timed_steps(step, steps)
+
+
+def speedup(row: dict, base: dict | None, missing: str = "-") -> str:
+    """``row``'s tokens/s over ``base``'s, as a table shows it (``missing`` without a base)."""
+    return f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else missing
 
 
 def bandwidth() -> float:
@@ -428,7 +440,7 @@ def decode_table(name: str, rows: list[dict], steps: int) -> None:
     for r in rows:
         ref = next((x for x in rows if x["context"] == r["context"]
                     and x["engine"] == "transformers static"), None)
-        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
+        ratio = speedup(r, ref, "")
         print(f"| {r['context']} | {r['engine']} | {r['tokens_per_s']:.1f} | {ratio} | "
               f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) | "
               f"{r['floor_ms'] or 0:.1f} | {r['read_gb_per_s']:.1f} GB/s | "

@@ -76,56 +76,6 @@ def bytes_rows(context: int = 32768) -> list[dict]:
 
 
 # -- 2. decode --------------------------------------------------------------------------------
-def ci_quantized(config, params, layers, first, context: int, steps: int, kind: str):
-    """cacheidx's torch path, eager under inference mode, over pools of ``kind``."""
-    import torch
-
-    import cacheidx as ci
-    from cacheidx import devices
-    from cacheidx.models import llama
-
-    be = ci.backends.get("torch")
-    xp = be.xp
-    width = context + steps + 2
-    index = ci.rows(width, [context] * lc.BATCH, xp="torch")
-    weights = llama.convert(params, xp=xp)
-    slots = torch.from_numpy(np.concat([np.arange(b * width, b * width + context)
-                                        for b in range(lc.BATCH)]))
-    pools = []
-    for k, v in layers:
-        pair = []
-        for x in (k, v):
-            rows = torch.from_numpy(x.reshape(lc.BATCH * context, *x.shape[2:]))
-            if kind == "float32":
-                pool = llama.empty_pools(config, lc.BATCH * width, like=weights["embed"])[0][0]
-                pair.append(be.scatter(pool, slots, rows, donate=True))
-                continue
-            bits = BITS[kind]
-            pool = ci.quantized.zeros(lc.BATCH * width, config.kv_heads, config.head_dim,
-                                      bits=bits, xp="torch", layout="head")
-            codes, scales = ci.quantized.quantize(rows, bits)
-            pair.append(ci.Quantized(be.scatter(pool.codes, slots, codes, donate=True),
-                                     be.scatter(pool.scales, slots, scales, donate=True)))
-        pools.append(tuple(pair))
-
-    def forward(weights, tokens, index, pools):
-        logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
-                                      last=True)
-        return xp.argmax(logits[:, 0, :], axis=-1), pools
-
-    run = be.inference(forward)
-    state = {"index": index.advance(), "tok": torch.from_numpy(first).reshape(lc.BATCH, 1),
-             "pools": pools}
-
-    def step():
-        chosen, state["pools"] = run(weights, state["tok"], state["index"], state["pools"])
-        state["tok"] = xp.reshape(chosen, (lc.BATCH, 1))
-        state["index"] = state["index"].advance()
-        return devices.to_host(chosen).reshape(-1).tolist()
-
-    return lc.timed_steps(step, steps)
-
-
 def hf_quantized(model, layers, first, context: int, steps: int):
     """transformers' ``QuantizedCache(backend="fp8")``, filled with the same cache."""
     import torch
@@ -182,8 +132,9 @@ def decode_rows(contexts, steps: int, engines) -> list[dict]:
                 kind = engine.split()[1]
                 # "products": the codes cast to floats a chunk at a time, no kernel
                 with native.off() if engine.endswith("products") else contextlib.nullcontext():
-                    toks, seconds = ci_quantized(config, params, layers, first, context, steps,
-                                                 kind)
+                    toks, seconds = lc.ci_engine(config, params, layers, first, context, steps,
+                                                 "torch", False, "cpu",
+                                                 kv=None if kind == "float32" else kind)
             tokens[engine] = toks
             per = {"float32": token_bytes(config.kv_heads, config.head_dim, "float32"),
                    "fp8": 2 * config.kv_heads * config.head_dim,
@@ -302,7 +253,7 @@ def print_tables(out: dict) -> None:
             hf = next((x for x in same if x["engine"] == "transformers static"), None)
             spread = f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f})"
             print(f"| {r['context']} | {r['engine']} | {r['tokens_per_s']:.1f} | "
-                  f"{_ratio(r, f32)} | {_ratio(r, hf)} | {spread} | {r['floor_ms']:.1f} | "
+                  f"{lc.speedup(r, f32)} | {lc.speedup(r, hf)} | {spread} | {r['floor_ms']:.1f} | "
                   f"{100 * r.get('same_tokens_share', 1):.0f}% |")
         print()
     if out.get("accuracy"):
@@ -318,10 +269,6 @@ def print_tables(out: dict) -> None:
                   f"| {100 * r['top1_agree']:.1f}% | {r['greedy_equal_prompts']} of "
                   f"{r['prompts']} | {100 * r['greedy_same_share']:.0f}% |")
         print()
-
-
-def _ratio(row: dict, base: dict | None) -> str:
-    return f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
 
 
 def main(argv=None) -> int:

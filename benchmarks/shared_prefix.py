@@ -248,7 +248,7 @@ def main(argv=None) -> int:
         hf = next((x for x in same if x["engine"] == "transformers static"), None)
         spread = f"{r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f})"
         print(f"| {r['lanes']} | {r['prefix']} | {r['engine']} | {r['tokens_per_s']:.1f} | "
-              f"{_ratio(r, own)} | {_ratio(r, hf)} | {spread} | {r['floor_ms']:.1f} | "
+              f"{lc.speedup(r, own)} | {lc.speedup(r, hf)} | {spread} | {r['floor_ms']:.1f} | "
               f"{r['unshared_floor_ms']:.1f} | {'yes' if r['same_tokens'] else 'NO'} |")
     print(f"\nNothing shared ({none['lanes']} lanes, each its own prefix of {none['prefix']}): "
           f"a step {none['looking_ms']:.2f} ms with the plan looking for shared prefixes, "
@@ -262,10 +262,6 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"decode": decode, "nothing_shared": none},
                                               indent=1))
     return 0
-
-
-def _ratio(row: dict, base: dict | None) -> str:
-    return f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
 
 
 if __name__ == "__main__":
