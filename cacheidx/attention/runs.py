@@ -200,17 +200,16 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
                     short.update(range(first, len(pieces)))
             blocks.append((i0, i1, _gather(index, pieces, short, n, max(size, GATHER))))
         lanes.append(blocks)
-    return _Runs(lanes, groups, _own(index, on_host, whole, groups, n))
+    return _Runs(lanes, groups, _own(index, table, some, whole, groups, n))
 
 
-def _own(index: Any, on_host: Any, whole: np.ndarray | None, groups: list[_Group], n: int
-         ) -> _Own | None:
+def _own(index: Any, table: np.ndarray, some: np.ndarray, whole: np.ndarray | None,
+         groups: list[_Group], n: int) -> _Own | None:
     """The sharing lanes' own columns (past their prefix, seen by some token of the lane) as
     one tile (:class:`_Own`), where each lane holds at most :data:`OWN` of them inside the
     pool; ``None`` otherwise."""
     if not groups or whole is None:
         return None
-    table, some = on_host.lane_table, on_host.seen_by_some()
     lanes, cols = [], []
     for g in groups:
         for b in g.lanes:
@@ -344,7 +343,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
         out.append([(i0, i1, pieces)])
     own = None
     if runs.own is not None:  # the own tile, one column longer: made again (a host pass)
-        own = _own(nxt, on_host, on_host.mask(), groups, n)
+        own = _own(nxt, table, on_host.seen_by_some(), on_host.mask(), groups, n)
         if own is None:
             return None
     return _Runs(out, groups, own)
