@@ -207,3 +207,16 @@ def test_quantize_refuses_bits_other_than_8_or_4(bits):
         quantized.quantize(x, bits)
     with raises(ValueError, "cacheidx.quantized.roundtrip", "bits"):
         quantized.roundtrip(x, bits)
+
+
+def test_loading_the_cpu_kernel_keeps_subnormal_numbers():
+    """The kernel is built without -ffast-math: a shared library linked with it sets the
+    processor to flush subnormals to zero for the whole process on load (which broke other
+    tests' arithmetic once it loaded)."""
+    from cacheidx.attention import native
+
+    if native.kernel() is None:
+        pytest.skip("the CPU kernel could not be built here (no C compiler)")
+    tiny = np.float32(1e-40)  # a float32 subnormal
+    assert tiny * np.float32(1.0) != 0
+    assert np.nextafter(np.float32(0), np.float32(1)) > 0

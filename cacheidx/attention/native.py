@@ -168,9 +168,11 @@ int cacheidx_run(int T, int kv, int m, int d, int dv, int kbits, int vbits, cons
 }
 """.replace("@ROWS@", str(ROWS)).replace("@BLOCK@", str(BLOCK))
 
-#: the compiler's flags: vectorised sums (reassociated), NaN and infinities still IEEE's
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
-         "-lm"]
+#: the compiler's flags: vectorised sums (reassociated), NaN and infinities still IEEE's. Never
+#: -ffast-math (nor -funsafe-math-optimizations): linked into a shared library it sets the
+#: processor to flush subnormals to zero in the whole process, for every library, on load
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-shared", "-fPIC", "-lm"]
 
 _LOCK = threading.Lock()
 _FOUND: list[Any] = []
