@@ -73,6 +73,8 @@ class Plan:
         "read": "(n,): the shape and backend's plan of extend's read of a pool of n slots",
         "tile": "(columns..., n): one tile's read of a pool of n slots",
         "runs": "(n, shape of tiles...): each lane's runs of slots and the pieces its views read",
+        "share": "(n, heads, tile): the lanes sharing a prefix and its width, JAX's static "
+                 "argument",
     }
 
     def part(self, kind: str, key: tuple, make: Callable[[], Any],

@@ -83,3 +83,179 @@ def test_transformers_families_give_the_same_tokens_with_shared_reads(name, shar
         want = cit.generate(model, ps, max_new_tokens=6)
     assert got == want
     assert shared_reads, f"{name}: no shared prefix was read once"
+
+
+# -- JAX's program reads a shared prefix once ------------------------------------------------------
+PAGE, HEADS, KV, DIM = 16, 4, 2, 6  #: DIM: the programs these tests count are theirs alone
+
+
+def pages(*numbers: int) -> list[int]:
+    """The slots of pages ``numbers``, in order: one row of a paged table."""
+    return [p * PAGE + i for p in numbers for i in range(PAGE)]
+
+
+def jax_cases() -> dict:
+    """``(pos, table, draft)`` and the groups JAX's program reads once: pages 0-4 (and 10-14)
+    are prefixes of 80 columns, each lane's sixth page its own; a draft's two tokens store in
+    its own page; lanes past a table they share whole (storing nothing) read no column of
+    their own."""
+    one = [pages(0, 1, 2, 3, 4, 5 + b) for b in range(3)]
+    two = [pages(0, 1, 2, 3, 4, 20 + b) for b in range(2)] + [
+        pages(10, 11, 12, 13, 14, 22 + b) for b in range(2)] + [pages(30, 31, 32, 33, 34, 35)]
+    return {
+        "one group": ([[85], [86], [90]], one, False, (((0, 1, 2), 80),)),
+        "two groups and a lane alone": ([[85], [86], [87], [88], [89]], two, False,
+                                        (((0, 1), 80), ((2, 3), 80))),
+        "two tokens a lane": ([[84, 85], [84, 85], [90, 91]], one, False, (((0, 1, 2), 80),)),
+        "a draft": ([[88, 89], [88, 89], [90, 91]], one, True, (((0, 1, 2), 80),)),
+        "the whole table shared": ([[80], [81]], [pages(0, 1, 2, 3, 4)] * 2, False,
+                                   (((0, 1), 80),)),
+        # 144 shared columns are rounded down to 128 (the program's key): each lane reads the
+        # last 16 as its own
+        "a prefix rounded down": ([[150], [151], [152]],
+                                  [pages(*range(9), 40 + b) for b in range(3)], False,
+                                  (((0, 1, 2), 128),)),
+    }
+
+
+def jax_call(pos, table, drafted, seed, *, bits=None):
+    """A JAX index over ``table`` and a call's queries, keys, values and pools (quantized to
+    ``bits`` where given), drawn from ``seed``."""
+    jnp = pytest.importorskip("jax.numpy")
+    import numpy as np
+
+    import cacheidx as ci
+    from cacheidx import quantized
+
+    ix = ci.make(jnp.asarray(pos, dtype=jnp.int32), jnp.asarray(table, dtype=jnp.int32))
+    if drafted:
+        slots = np.asarray(table)[np.arange(len(pos))[:, None], np.asarray(pos)]
+        ix = ix.draft(jnp.asarray(slots, dtype=jnp.int32),
+                      jnp.asarray(np.tril(np.ones((len(pos), 2, 2), bool))))
+    rng = np.random.default_rng(seed)
+    n = max(max(row) for row in table) + 1
+
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    b, s = ix.batch, ix.seq
+    arrays = [draw(b, s, HEADS, DIM), draw(b, s, KV, DIM), draw(b, s, KV, DIM),
+              draw(n, KV, DIM), draw(n, KV, DIM)]
+    if bits is not None:
+        arrays[3:] = [quantized.Quantized(*quantized.quantize(p, bits)) for p in arrays[3:]]
+    return ix, arrays
+
+
+@pytest.fixture
+def jax_programs(monkeypatch):
+    """JAX's programs made in the test (a jit cache of its own), as the ``share`` each was
+    traced with, and the prefixes read once by them, as ``(lanes, width)``."""
+    pytest.importorskip("jax")
+    from functools import cache
+
+    from cacheidx.attention import jax as path
+
+    traced, prefixes = [], []
+    looped, prefix = path._looped, path._prefix
+
+    def counted(call, share=()):
+        traced.append(share)  # Python runs only while JAX traces: once per program
+        return looped(call, share)
+
+    def read_once(call, q, row, lanes, read):
+        prefixes.append((lanes, int(row.shape[0])))
+        return prefix(call, q, row, lanes, read)
+
+    monkeypatch.setattr(path, "_jitted", cache(path._jitted.__wrapped__))
+    monkeypatch.setattr(path, "_looped", counted)
+    monkeypatch.setattr(path, "_prefix", read_once)
+    return traced, prefixes
+
+
+def assert_same_call(shared, alone, what):
+    """Outputs within float32's few roundings of each other (only the order of the sums
+    differs), pools bit for bit."""
+    import numpy as np
+
+    from cacheidx.quantized import parts
+
+    np.testing.assert_allclose(np.asarray(shared[0]), np.asarray(alone[0]), rtol=1e-5,
+                               atol=1e-5, err_msg=f"{what}: the output")
+    for got, want in zip(shared[1:], alone[1:]):
+        for a, b in zip(parts(got), parts(want)):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"{what}: a pool"
+
+
+@pytest.mark.parametrize("capped", [False, True])
+@pytest.mark.parametrize("what", list(jax_cases()))
+def test_jax_reads_a_shared_prefix_once_and_attends_as_without(what, capped, jax_programs):
+    """One group, two groups beside a lane sharing nothing, two tokens a lane, a draft and a
+    table shared whole: an eager JAX call reads each group's prefix once (the program's
+    ``share`` names the groups and reads each prefix once), and its output is the unshared
+    call's, its pools bit for bit.
+    ``capped``: a softcap and sinks, and ``tile=24``, which reads an 80-column prefix in three
+    tiles and a rest of 8."""
+    import jax.numpy as jnp
+
+    from cacheidx.attention import jax as path
+
+    traced, prefixes = jax_programs
+    pos, table, drafted, groups = jax_cases()[what]
+    ix, arrays = jax_call(pos, table, drafted, seed=len(what))
+    options = {} if not capped else {
+        "tile": 24, "softcap": 2.5, "sinks": jnp.asarray([0.5, -1.0, 2.0, 0.0])}
+    assert path.sharing(ix, int(arrays[3].shape[0]), HEADS) == groups
+    shared = ix.attend(*arrays, **options)
+    assert traced == [groups], f"{what}: the program shared {traced}, want {groups}"
+    assert prefixes == list(groups), f"{what}: prefixes read {prefixes}"
+    with runs.unshared():
+        alone = ix.attend(*arrays, **options)
+    assert traced == [groups, ()], "runs.unshared() still shared"
+    assert prefixes == list(groups)
+    assert_same_call(shared, alone, what)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_jax_reads_a_quantized_prefix_once_as_without(bits, jax_programs):
+    """Quantized pools: the prefix's codes and scales read once, the output the unshared
+    call's, the pools' codes and scales bit for bit."""
+    traced, _ = jax_programs
+    pos, table, drafted, groups = jax_cases()["two groups and a lane alone"]
+    ix, arrays = jax_call(pos, table, drafted, seed=bits, bits=bits)
+    shared = ix.attend(*arrays, tile=24)
+    with runs.unshared():
+        alone = ix.attend(*arrays, tile=24)
+    assert traced == [groups, ()]
+    assert_same_call(shared, alone, f"{bits} bits")
+
+
+def test_a_jax_decode_loop_sharing_a_prefix_compiles_once(jax_programs):
+    """Six decode steps (``advance()``) of lanes whose groups stay the same: one program, the
+    prefix read once in it, each step's output the unshared call's."""
+    traced, prefixes = jax_programs
+    pos, table, _, groups = jax_cases()["two groups and a lane alone"]
+    ix, arrays = jax_call(pos, table, False, seed=3)
+    q, k, v, kpool, vpool = arrays
+    for step in range(6):
+        with runs.unshared():
+            alone = ix.attend(q, k, v, kpool, vpool)
+        out = ix.attend(q, k, v, kpool, vpool)
+        assert_same_call(out, alone, f"step {step}")
+        kpool, vpool = out[1:]
+        ix = ix.advance()
+    assert traced == [(), groups], f"programs traced: {traced}"
+    assert prefixes == list(groups)
+
+
+def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):
+    """The eager JAX engine over requests under one prompt (the prefix cache shares its pages)
+    and samples of one prompt: the same tokens with shared reads and without, and some program
+    read a prefix once."""
+    traced, prefixes = jax_programs
+    reqs = [Request(k, p, 6) for k, p in enumerate(prompts(4))]
+    reqs.append(Request("samples", SYSTEM + [7, 8, 9], 6, n=3))
+    got = serve("jax", reqs)
+    assert prefixes, "no program read a shared prefix once"
+    made = len(traced)
+    assert got == serve("jax", reqs, share=False)
+    assert all(share == () for share in traced[made:]), "runs.unshared() still shared"

@@ -11,6 +11,19 @@ loop variable: the columns ``c0`` to ``c0 + T - 1`` taken from the lane table, t
 width reading nothing (outside the context, they are seen by no one and read as zero), and the
 online softmax's running maximum, sum and output its carry. Selections and whole indices take
 the standard tiles, unrolled.
+
+**Shared prefixes are read once** (:mod:`cacheidx.attention.runs`' cascade, attention's law 2
+all the same). Eagerly, the host finds the groups of lanes sharing a prefix by runs' rules
+(:func:`sharing`) and hands them to the program as a static argument, ``share``: each group's
+lanes and its shared columns ``0:width``. The program reads each group's prefix in a loop of
+its own, once, the group's queries stacked as one lane's heads, and each lane's loop reads its
+columns from its group's width on (from 0 for a lane that shares nothing); each lane's state
+over its prefix is merged into its own (:meth:`~cacheidx.attention.softmax.Online.merge`). The
+groups are part of the program's key: one compile per kind of grouping, so a decode loop whose
+groups stay the same compiles once, and no sharing (``share`` empty, or within
+:func:`runs.unshared() <cacheidx.attention.runs.unshared>`) is the program without it. A
+traced call (a step the user compiles whole) has no values to find groups in: each lane reads
+its prefix as its own.
 """
 
 from __future__ import annotations
@@ -19,42 +32,91 @@ import dataclasses
 from functools import cache
 from typing import Any
 
+import numpy as np
+
+from ..devices import to_host
 from ..laws import inside
 from ..quantized import Quantized
+from . import runs
 from .softmax import Online
 
-__all__ = ["JaxPath"]
+__all__ = ["JaxPath", "sharing"]
+
+#: groups of lanes sharing a prefix, as the program's static argument: ``((lanes, width), ...)``
+Share = tuple[tuple[tuple[int, ...], int], ...]
 
 
 class JaxPath:
     def attend(self, call: Any) -> tuple[Any, Any, Any]:
-        from . import standard, stored
-
         index = call.index
         if not index.backend.tracing(index.pos):
             return _jitted(call.donate)(index, call.q, call.k, call.v, call.kpool, call.vpool,
                                         call.sinks, scale=call.scale, softcap=call.softcap,
-                                        tile=call.tile)
-        call = stored(call)
-        if index.kind != "tabled" or index.columns is not None:
-            return standard(call), call.kpool, call.vpool
-        return _looped(call), call.kpool, call.vpool
+                                        tile=call.tile, share=_share(call))
+        return _traced(call)
 
 
-def _looped(call: Any) -> Any:
-    """The output of a traced call over a table (its pools holding its stores)."""
-    from jax import lax
+def _traced(call: Any, share: Share = ()) -> tuple[Any, Any, Any]:
+    """``(out, kpool', vpool')`` of a call whose index is traced: the stores, then the table's
+    loop (reading the prefixes of ``share`` once) or the standard tiles."""
+    from . import standard, stored
 
     index = call.index
-    xp, kpool, vpool = index.xp, call.kpool, call.vpool
-    table, some = index.lane_table, index.seen_by_some()
+    call = stored(call)
+    if index.kind != "tabled" or index.columns is not None:
+        return standard(call), call.kpool, call.vpool
+    return _looped(call, share), call.kpool, call.vpool
+
+
+def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
+    """The groups of lanes of the eager ``index`` whose shared prefix a call over pools of
+    ``n`` slots with ``heads`` query heads reads once (runs' rules, :func:`runs.sharing
+    <cacheidx.attention.runs.sharing>`'s groups without its views: holes and scattered pages
+    past the prefix do not matter to a gather): each group's lanes and its columns ``0:width``,
+    empty where nothing is shared. The width is part of the program's key, so it is rounded
+    down (:func:`rounded`): a prefix that differs by a few pages is the same program."""
+    from . import SCORES
+
+    on_host = index.map(to_host)
+    table = on_host.lane_table
     width = int(table.shape[1])
-    size = min(call.tile_width, width)
-    draft = index.draft_slots is not None
-    state = Online.start(xp, call.q, "lane", int(vpool.shape[-1]), int(kpool.shape[1]),
-                         scale=call.scale, softcap=call.softcap)
-    state.masked = True  # every tile comes with its mask: each loop step's state is a copy
-    state.split = False  # one product: XLA lays out the tile as it likes
+    if index.seq > runs.ROWS or index.batch * index.seq * width > 1 << 22:
+        return ()  # as runs' plan: the host never holds a larger mask
+    whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
+    found = runs.prefixes(table, on_host.seen_by_some(), whole, n, index.seq, heads, SCORES,
+                         tile)
+    return tuple((g.lanes, rounded(g.width)) for g in found)
+
+
+def rounded(width: int) -> int:
+    """``width`` rounded down to a multiple of a quarter of its greatest power of two (64 and
+    more stay at least 64): at most four programs an octave of prefix widths, where each kept
+    its own would compile one per prompt; the columns cut off (under a quarter of the prefix)
+    are read by each lane as its own."""
+    step = max(1, (1 << (width.bit_length() - 1)) // 4)
+    return width - width % step
+
+
+def _share(call: Any) -> Share:
+    """The groups the eager ``call`` reads once (:func:`sharing`, kept by the index's plan for
+    every layer); none within ``runs.unshared()``, for a selection or a whole index, or where
+    the pools differ in size."""
+    index, kpool, vpool = call.index, call.kpool, call.vpool
+    n = int(kpool.shape[0])
+    if (not runs.shares() or index.kind != "tabled" or index.columns is not None
+            or int(vpool.shape[0]) != n or index.seq > runs.ROWS
+            or int(index.columns_table.shape[1]) < runs.SHARED):
+        return ()
+    index.follow()  # the plan of these values (every eager numpy or torch call asks it too)
+    heads = int(call.q.shape[2])
+    return index.planned("share", (n, heads, call.tile),
+                         lambda: sharing(index, n, heads, call.tile))
+
+
+def _reader(index: Any) -> Any:
+    """``read(pool, slots, ok)``: the rows of ``pool`` at ``slots`` ``[lanes, T]`` where ``ok``
+    and inside the pool, zero elsewhere (of a quantized pool, its codes and scales each so)."""
+    xp = index.xp
 
     def read(pool: Any, slots: Any, ok: Any) -> Any:
         if isinstance(pool, Quantized):  # its codes and scales, each so
@@ -63,22 +125,52 @@ def _looped(call: Any) -> Any:
                                    xp.reshape(ok & inside(slots, pool.shape[0]), (-1,)))
         return xp.reshape(got, (*slots.shape, *pool.shape[1:]))
 
+    return read
+
+
+def _looped(call: Any, share: Share = ()) -> Any:
+    """The output of a traced call over a table (its pools holding its stores): each group of
+    ``share``'s prefix read once (:func:`_prefixes`), then each lane's columns from its offset
+    (its group's width, else 0) in one loop, the prefixes' states merged in."""
+    from jax import lax
+
+    index = call.index
+    xp, kpool, vpool = index.xp, call.kpool, call.vpool
+    table, some = index.lane_table, index.seen_by_some()
+    width = int(table.shape[1])
+    offsets = _offsets(index.batch, share)
+    # a sharing lane's columns start past its prefix: the loop spans the longest rest
+    span = width - min(offsets)
+    size = max(1, min(call.tile_width, span))
+    draft = index.draft_slots is not None
+    state = Online.start(xp, call.q, "lane", int(vpool.shape[-1]), int(kpool.shape[1]),
+                         scale=call.scale, softcap=call.softcap)
+    state.masked = True  # every tile comes with its mask: each loop step's state is a copy
+    state.split = False  # one product: XLA lays out the tile as it likes
+    read = _reader(index)
+    off = None if not share else xp.asarray(offsets, dtype=index.pos.dtype)[:, None]
+
     def body(i: Any, carry: tuple) -> tuple:
-        j = i * size + index.arange(size)  # this tile's columns; past the width: none
-        there = j < width
+        j = i * size + index.arange(size)[None, :]  # [1, T], or [batch, T] from each offset
+        j = j if off is None else j + off
+        there = j < width  # past the width: none
         at = xp.where(there, j, 0)
-        slots = xp.take(table, at, axis=1)
-        ok = xp.take(some, at, axis=1) & there[None, :]
-        cols = j[None, None, :]
-        mask = index.draft_sees_table(cols) & there if draft else index.sees_columns(cols)
+        slots, ok = _take(xp, table, at), _take(xp, some, at) & there
+        cols = j[:, None, :]
+        mask = (index.draft_sees_table(cols) & there[:, None, :] if draft
+                else index.sees_columns(cols))
         s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
         s.add(read(kpool, slots, ok), read(vpool, slots, ok), mask)
         return s.m, s.l, s.acc
 
-    # the first tile outside the loop: its carry then derives from the call's arrays, so under
-    # shard_map it varies over the mesh as the loop's output does
-    first = body(0, (state.m, state.l, state.acc))
-    state.m, state.l, state.acc = lax.fori_loop(1, -(-width // size), body, first)
+    tiles = -(-span // size)
+    if tiles:
+        # the first tile outside the loop: its carry then derives from the call's arrays, so
+        # under shard_map it varies over the mesh as the loop's output does
+        first = body(0, (state.m, state.l, state.acc))
+        state.m, state.l, state.acc = lax.fori_loop(1, tiles, body, first)
+    if share:
+        state.merge(*_prefixes(call, state.q, table, share, read))
     if draft:
         from .tiles import draft
 
@@ -86,16 +178,93 @@ def _looped(call: Any) -> Any:
     return state.result(call.sinks)
 
 
+def _offsets(batch: int, share: Share) -> list[int]:
+    """Each lane's first column of its own: its group's width, 0 for a lane sharing none."""
+    off = [0] * batch
+    for lanes, width in share:
+        for b in lanes:
+            off[b] = width
+    return off
+
+
+def _take(xp: Any, a: Any, at: Any) -> Any:
+    """``a[b, at[b]]`` of a lane-major ``a`` ``[batch, width]``: ``at`` ``[1, T]`` (every lane's
+    same columns: one take) or ``[batch, T]``."""
+    if int(at.shape[0]) == 1:
+        return xp.take(a, at[0], axis=1)
+    return xp.take_along_axis(a, at, axis=1)
+
+
+def _prefixes(call: Any, q: Any, table: Any, share: Share, read: Any
+              ) -> tuple[Any, Any, Any]:
+    """Every lane's state ``(m, l, acc)`` over its shared prefix, ``[batch, kv, g, seq, ...]``
+    (:func:`_prefix`, once per group): a lane sharing none gets the state of no column
+    (``-inf``, 0, 0), which a merge leaves exactly as it was."""
+    xp = call.index.xp
+    batch, kv, g, seq, _ = q.shape
+    dv = int(call.vpool.shape[-1])
+    none = (xp.full((1, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
+            xp.zeros((1, kv, g, seq, 1), dtype=q.dtype),
+            xp.zeros((1, kv, g, seq, dv), dtype=q.dtype))
+    parts, where, at = [none], [0] * batch, 1  # lane b's state: row where[b] of the parts
+    for lanes, width in share:
+        parts.append(_prefix(call, q, table[lanes[0], :width], lanes, read))
+        for b in lanes:
+            where[b], at = at, at + 1
+    rows = xp.asarray(np.asarray(where))
+    return tuple(xp.take(xp.concat([p[k] for p in parts], axis=0), rows, axis=0)
+                 for k in range(3))
+
+
+def _prefix(call: Any, q: Any, row: Any, lanes: tuple[int, ...], read: Any
+            ) -> tuple[Any, Any, Any]:
+    """The states ``(m, l, acc)`` ``[len(lanes), kv, g, seq, ...]`` of ``lanes`` over their
+    shared prefix, the slots ``row`` (each of them names those at its first columns, and every
+    one of their queries sees every column: :func:`sharing`), read once: the lanes' queries
+    ``q`` (grouped) stacked as one lane's heads, ``[1, kv, lanes x g, seq, d]``, a gather of
+    ``[1, T]`` slots a tile, in a loop of its own and with no mask."""
+    from jax import lax
+
+    from . import tile_size
+
+    index = call.index
+    xp = index.xp
+    _, kv, g, seq, d = q.shape
+    n = len(lanes)
+    stacked = xp.permute_dims(xp.take(q, xp.asarray(np.asarray(lanes)), axis=0), (1, 0, 2, 3, 4))
+    state = Online(xp, "lane", xp.reshape(stacked, (1, kv, n * g, seq, d)),
+                   int(call.vpool.shape[-1]), call.softcap, call.q.dtype)
+    state.split = False  # one product: XLA lays out the tile as it likes
+    width = int(row.shape[0])
+    size = min(call.tile or tile_size(1, seq, n * kv * g), width)
+
+    def fold(carry: tuple, c0: Any, t: int) -> tuple:
+        slots = xp.take(row, c0 + index.arange(t))[None, :]
+        ok = xp.ones(slots.shape, dtype=xp.bool)
+        s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
+        s.add(read(call.kpool, slots, ok), read(call.vpool, slots, ok), None)
+        return s.m, s.l, s.acc
+
+    full, rest = divmod(width, size)  # width >= size: one whole tile at least
+    got = fold((None, None, None), 0, size)  # outside the loop, as the lanes' first tile
+    got = lax.fori_loop(1, full, lambda i, carry: fold(carry, i * size, size), got)
+    if rest:
+        got = fold(got, full * size, rest)
+    return tuple(xp.permute_dims(xp.reshape(x, (kv, n, g, seq, int(x.shape[-1]))),
+                                 (1, 0, 2, 3, 4)) for x in got)
+
+
 @cache
 def _jitted(donate: bool) -> Any:
-    """A whole call as one program, donating the pools when the call does."""
+    """A whole call as one program, donating the pools when the call does; ``share`` (the
+    groups reading a prefix once, :func:`sharing`) is static: one compile per kind."""
     import jax
 
     from . import Call
 
-    def run(index, q, k, v, kpool, vpool, sinks, *, scale, softcap, tile):
+    def run(index, q, k, v, kpool, vpool, sinks, *, scale, softcap, tile, share):
         call = Call(index, q, k, v, kpool, vpool, scale, softcap, sinks, tile, donate)
-        return JaxPath().attend(call)
+        return _traced(call, share)
 
-    return jax.jit(run, static_argnames=("scale", "softcap", "tile"),
+    return jax.jit(run, static_argnames=("scale", "softcap", "tile", "share"),
                    donate_argnums=(4, 5) if donate else ())

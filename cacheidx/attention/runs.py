@@ -29,8 +29,10 @@ for all of them where each holds at most :data:`OWN` (:class:`_Own`). The law is
 only the order of the sums changes. A lane whose window starts inside the prefix, a padding
 lane and a call of more than :data:`ROWS` tokens a lane (a long prefill) read their columns as
 their own; a prefix with a hole is read by the tiles, as every call with a hole is. The
-standard's tiles and JAX's program do not share (each lane reads its columns; the law holds the
-same); torch's compiled operator runs this code, so it does.
+standard's tiles do not share (each lane reads its columns; the law holds the same); torch's
+compiled operator runs this code, so it does, and JAX's eager program reads once the groups
+:func:`prefixes` finds (:func:`cacheidx.attention.jax.sharing`); a step the user compiles whole
+has no values to find them in.
 
 A lane's short runs (the pages of its own a paged table scatters: fewer than :data:`GATHER`
 columns each, seen whole) but the last are gathered into one tile, read through the backend's
@@ -57,7 +59,7 @@ from ..quantized import Quantized
 from . import layout, paths
 from .softmax import Online, group, ungroup
 
-__all__ = ["SHARED", "read", "sharing", "unshared"]
+__all__ = ["SHARED", "prefixes", "read", "shares", "sharing", "unshared"]
 
 #: queries a block holds: a long prefill's scores stay within bounds with wide column tiles
 ROWS = 256
@@ -148,6 +150,11 @@ def unshared() -> Iterator[None]:
         _SHARING.pop()
 
 
+def shares() -> bool:
+    """Whether a plan made now reads shared prefixes once (not within :func:`unshared`)."""
+    return _SHARING[-1]
+
+
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + size)) for a in range(0, n, size)]
 
@@ -164,7 +171,7 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
     # a short call's whole mask at once (a decode step's is [batch, 1, width]); a long one's
     # per piece, so that the host never holds [batch, seq, width]
     whole = on_host.mask() if index.batch * index.seq * width <= 1 << 22 else None
-    groups = _groups(table, some, whole, n, index.seq, heads, scores, tile) if share else []
+    groups = prefixes(table, some, whole, n, index.seq, heads, scores, tile) if share else []
     own = {b: g.width for g in groups for b in g.lanes}  # a lane's first column of its own
     lanes = []
     for b in range(index.batch):
@@ -272,7 +279,7 @@ def _gather(index: Any, pieces: list[_Piece], short: set[int], n: int, most: int
     return [*gathered, *(p for p in pieces if id(p) not in taken)]
 
 
-def _groups(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
+def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
             heads: int, scores: int, tile: int | None) -> list[_Group]:
     """The groups of lanes that share a prefix (:class:`_Group`): lanes whose first columns
     name the same slot, and of them the columns from 0 at which all name the same slots inside
@@ -380,7 +387,7 @@ def read(call: Any, scores: int) -> Any | None:
         return None
     heads = int(q.shape[2])
 
-    share = _SHARING[-1]
+    share = shares()
     runs = index.planned("runs", (n, scores, heads, call.tile, share),
                          lambda: _plan(index, n, scores, heads, call.tile, share) or ())
     if not runs:
