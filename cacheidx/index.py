@@ -230,19 +230,55 @@ class CacheIndex:
                              f"(it has {[b for b, _ in self.blocks]})")
         return dataclasses.replace(self, block=m)
 
-    def advance(self) -> CacheIndex:
+    def advance(self, table: Any = None) -> CacheIndex:
         """The index of the next token of every lane: ``seq`` is 1 and the position is one
         past the lane's greatest (a lane of padding advances to 0). Keeps the window and the
-        block size, drops the selection and the draft. Raises on a whole index."""
+        block size, drops the selection and the draft. The plan's parts follow where they can
+        (:meth:`Plan.advanced <cacheidx.plan.Plan.advanced>`).
+
+        With ``table`` (the serving engine's table after its scheduler wrote to it), the next
+        token's index over ``table`` instead, the row map and positions as without it. Law:
+        its plan carries this one's parts only where ``table`` holds, on every lane's row, the
+        values this index's table holds at every one of its columns (compared on the host;
+        ``table`` may be wider, its new columns read as they are); a table changed at an old
+        column, or narrower, gets a plan made anew.
+
+        Raises on a whole or packed index; with ``table``, if it is not an array of the
+        index's library and dtype, of 2 axes and as many rows as the index's table, on its
+        device, or if the index reads tables of blocks (they would not follow ``table``)."""
         if self.kind != "tabled":
-            raise arguments.fail("advance", f"a {self.kind} index has no next token")
+            what = "no table to advance over" if table is not None else "no next token"
+            raise arguments.fail("advance", f"a {self.kind} index has {what}")
+        if table is not None:
+            self._check_next_table(table)
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
         nxt = dataclasses.replace(self, pos=xp.clip(last, -1, None) + 1, columns=None,
-                                  draft_slots=None, draft_sees=None)
+                                  draft_slots=None, draft_sees=None,
+                                  table=self.table if table is None else table)
         if not self.backend.tracing(self.pos):  # the parts that follow from this plan's
             object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
         return nxt
+
+    def _check_next_table(self, table: Any) -> None:
+        """Raises naming ``cacheidx.advance`` where ``table`` cannot replace the index's."""
+        if not self.backend.same_library(table):
+            raise TypeError(f"cacheidx.advance: table must be an array of the index's library "
+                            f"({self.backend.name}), got {type(table).__name__}")
+        if self.blocks:
+            raise arguments.fail("advance", "the index reads tables of blocks of "
+                                 f"{[m for m, _ in self.blocks]} positions, which a new table "
+                                 "would not follow")
+        arguments.array("advance", "table", table, self.xp, (int(self.table.shape[0]), None))
+        if table.dtype != self.table.dtype:
+            raise TypeError(f"cacheidx.advance: table holds {table.dtype} but the index's "
+                            f"table {self.table.dtype}")
+        try:
+            here, there = self.backend.device(self.table), self.backend.device(table)
+        except Exception:  # a tracer or a sharded array: placement is the compiler's
+            return
+        if here != there:
+            raise arguments.fail("advance", f"table lies on {there} but the index's on {here}")
 
     def to_device(self, device: Any) -> CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``

@@ -16,7 +16,8 @@ its values. Traced, there is no plan: a compiled step derives its parts inside t
 where the compiler shares them between layers.
 
 :meth:`CacheIndex.advance <cacheidx.CacheIndex.advance>` carries its index's plan to the next
-token's index where the next plan follows from the last (:meth:`Plan.advanced`).
+token's index where the next plan follows from the last (:meth:`Plan.advanced`), over the same
+table or over one that holds the same values at the old table's columns (:func:`keeps_columns`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import numpy as np
 
 from .devices import to_host
 
-__all__ = ["CARRY", "Plan", "Recent"]
+__all__ = ["CARRY", "Plan", "Recent", "keeps_columns"]
 
 #: kind of part -> ``carry(index, nxt, key, part)``: the part again for ``nxt =
-#: index.advance()``, or ``None`` where it does not follow; the layer that makes parts of a
+#: index.advance()`` (or ``index.advance(table=...)``, whose lanes' rows hold the old table's
+#: values at its columns: :meth:`Plan.advanced` makes sure; a carrier reads ``nxt``'s table for
+#: any other column), or ``None`` where it does not follow; the layer that makes parts of a
 #: kind registers its carrier here (attention registers ``"runs"``)
 CARRY: dict[str, Callable[[Any, Any, tuple, Any], Any]] = {}
 
@@ -96,11 +99,15 @@ class Plan:
     def advanced(self, index: Any, nxt: Any) -> Plan:
         """The plan of ``nxt``, ``index.advance()``: each part of this one that a carrier
         registered for its kind (:data:`CARRY`) gives again for ``nxt``; the rest are made
-        anew when asked. Nothing is carried from a plan that no longer fits ``index``."""
+        anew when asked. Nothing is carried from a plan that no longer fits ``index``, nor to
+        an ``nxt`` over another table that differs from ``index``'s at one of its columns on
+        a lane's row (:func:`keeps_columns`)."""
         plan = Plan()
         with _LOCK:
             parts = {k: p for k, p in self._parts.items() if k[0] in CARRY}
         if not parts or not self.fits(index.tensors()):  # nothing to carry: no comparison
+            return plan
+        if nxt.table is not index.table and not keeps_columns(index, nxt):
             return plan
         for (kind, *key), part in parts.items():
             carry = CARRY.get(kind)
@@ -141,6 +148,21 @@ class Recent:
         with _LOCK:
             self._plans = [(structure, p), *self._plans][: self._size]
         return p
+
+
+def keeps_columns(index: Any, nxt: Any) -> bool:
+    """Whether ``nxt``'s table holds, on the row each lane of ``index`` reads (its row map's,
+    row 0 for a lane of padding, as :attr:`~cacheidx.CacheIndex.lane_table` reads), the values
+    ``index``'s table holds at every one of its columns; compared on the host."""
+    old, new = to_host(index.table), to_host(nxt.table)
+    rows, width = old.shape
+    if new.shape[0] != rows or new.shape[1] < width or new.dtype != old.dtype:
+        return False
+    if index.row is None:
+        return bool(np.array_equal(new[:, :width], old))
+    row = to_host(index.row)
+    lanes = np.unique(np.where((row >= 0) & (row < rows), row, 0))
+    return bool(np.array_equal(new[lanes, :width], old[lanes]))
 
 
 def _equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:

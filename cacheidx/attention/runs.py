@@ -328,10 +328,16 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
     own = {b: g.width for g in groups for b in g.lanes}
     on_host = _host_index(nxt)
     table, pos = on_host.lane_table, on_host.pos[:, 0]
+    valid = on_host.valid[:, 0]
     width, size = int(table.shape[1]), tile or max(16, scores // heads)
     out = []
     for b, blocks in enumerate(lanes):
         (i0, i1, pieces), = blocks
+        if not valid[b]:  # still padding (a row map's -1 at position 0): it reads nothing
+            if pieces:
+                return None
+            out.append(blocks)
+            continue
         c = int(pos[b])
         if not 0 <= c < width or not inside(table[b, c], n):
             return None

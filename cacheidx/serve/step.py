@@ -21,7 +21,11 @@ Laws of :class:`Step`:
    tensor, into which each call's values are copied (``Backend.refill``). That is what a
    replayed CUDA graph needs; elsewhere it costs one small copy.
 4. A decode call returns each lane's next token and ``index.advance()``'s positions; the next
-   call over the same lanes is fed those, device to device, without the host.
+   call over the same lanes is fed those, device to device, without the host. Eagerly, that
+   next call's index is the last one's ``advance(table=...)`` over the scheduler's table now
+   (one per group, law 6), so its plan is carried wherever the table kept the columns the last
+   one read (:meth:`cacheidx.CacheIndex.advance`); with ``debug``, its positions and row map
+   are checked against the scheduler's.
 5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
    reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
 6. With ``groups`` (several groups of layers, :mod:`cacheidx.serve.groups`) the scheduler
@@ -81,7 +85,8 @@ class _Fed:
 
     key: tuple
     tokens: Any
-    pos: Any
+    pos: Any  #: compiled: the next call's positions
+    indices: tuple | None = None  #: eager: the call's indices, advanced by the next (law 4)
 
 
 class Step:
@@ -134,7 +139,8 @@ class Step:
                 model, be, most, groups, compile if isinstance(compile, str) else None, kv)
         else:
             # eagerly, nothing recorded for differentiation (torch: its fast linear layers)
-            self._prefill, self._decode = map(be.inference, _steps(model, self.xp, groups))
+            self._prefill, self._decode = map(be.inference,
+                                              _steps(model, self.xp, groups, eager=True))
         self._buffers: dict[tuple, Any] = {}
         self._tables: dict[int, tuple] = {}  # group -> (columns, version, array)
         self._fed: _Fed | None = None
@@ -175,9 +181,15 @@ class Step:
         tokens[:lanes, seq_ - seq :] = batch.tokens
         fed = self._fed if batch.follows and self._fed is not None and self._fed.key == key \
             else None
-        pos_in, rows_in = self._put("pos", pos, fed and fed.pos), self._put("row", rows)
-        indices = tuple(ci.make(pos_in, self._table_of(g, t, columns, v), row=rows_in)
-                        for g, (t, v) in enumerate(zip(tables, versions, strict=True)))
+        now = [self._table_of(g, t, columns, v)
+               for g, (t, v) in enumerate(zip(tables, versions, strict=True))]
+        if fed is not None and fed.indices is not None:  # eagerly, the plan carried (law 4)
+            indices = tuple(ix.advance(table=t) for ix, t in zip(fed.indices, now, strict=True))
+            if self.debug:
+                self._check_fed(indices, pos, rows)
+        else:
+            pos_in, rows_in = self._put("pos", pos, fed and fed.pos), self._put("row", rows)
+            indices = tuple(ci.make(pos_in, t, row=rows_in) for t in now)
         index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
             for ix in indices:
@@ -193,12 +205,26 @@ class Step:
             self._fed = None
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
-            self._fed = _Fed(key, chosen, nxt)
+            self._fed = _Fed(key, chosen, nxt) if self.compiled else _Fed(key, chosen, None,
+                                                                          indices)
         self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
                       else pools)
         out = self._host(chosen).reshape(-1)[:lanes]
         kept = self._host(logits)[:lanes] if self.keep_logits else None
         return out, kept, new
+
+    def _check_fed(self, indices: tuple, pos: np.ndarray, rows: np.ndarray) -> None:
+        """Law 4 with ``debug``: the advanced indices' row map is the scheduler's ``rows``, and
+        their positions its ``pos`` on every lane of a request (a lane of padding advances to
+        0, and reads nothing either way), as a fresh index's would be."""
+        real = rows >= 0
+        for ix in indices:
+            if not (np.array_equal(self._host(ix.pos)[real], pos[real])
+                    and np.array_equal(self._host(ix.row), rows)):
+                raise TableError(f"cacheidx.serve.Step: the decode call's advanced index has "
+                                 f"positions {self._host(ix.pos).tolist()} and rows "
+                                 f"{self._host(ix.row).tolist()}, the scheduler's are "
+                                 f"{pos.tolist()} and {rows.tolist()}")
 
     def _put(self, name: str, host: np.ndarray, device: Any = None) -> Any:
         """An index tensor holding ``host`` (or the device array ``device`` holding the same
@@ -245,10 +271,12 @@ def _pools(model: Any, weights: Any, slots: Any, kv: str | None) -> Any:
     return model.pools(weights, slots, kv=kv)
 
 
-def _steps(model: Any, xp: Any, groups: Groups | None = None) -> tuple[Any, Any]:
+def _steps(model: Any, xp: Any, groups: Groups | None = None, eager: bool = False
+           ) -> tuple[Any, Any]:
     """The two programs: prefill gives each lane's next token and logits; decode gives also
-    the positions of the next call (law 4). With ``groups`` the index is one per group, and
-    the model is given each layer's (law 6)."""
+    the positions of the next call (law 4), or ``eager``, the index itself (the next call
+    advances it, its plan with it). With ``groups`` the index is one per group, and the
+    model is given each layer's (law 6)."""
     layered = groups.per_layer if groups is not None else _same
 
     def prefill(weights, tokens, index, pools):
@@ -258,6 +286,8 @@ def _steps(model: Any, xp: Any, groups: Groups | None = None) -> tuple[Any, Any]
     def decode(weights, tokens, index, pools):
         logits, pools = model.forward(weights, tokens, layered(index), pools)
         chosen = xp.reshape(xp.astype(xp.argmax(logits, axis=-1), tokens.dtype), (-1, 1))
+        if eager:
+            return chosen, logits, index, pools
         first = index[0] if groups is not None else index
         return chosen, logits, first.advance().pos, pools
 
