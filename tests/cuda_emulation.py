@@ -49,12 +49,14 @@ COMPILER = shutil.which("g++") or shutil.which("c++")
 @functools.cache
 def library(word: int) -> ctypes.CDLL:
     """The kernels for words of ``word`` bytes, built for the host."""
-    where = Path(tempfile.mkdtemp(prefix="cacheidx-rowkernels-"))
-    src = where / "rows.cpp"
-    src.write_text(PRELUDE + rowkernels.source(word) + DRIVER)
-    subprocess.run([COMPILER, "-std=c++17", "-O1", "-shared", "-fPIC", str(src), "-o",
-                    str(where / "rows.so")], check=True, capture_output=True)
-    return ctypes.CDLL(str(where / "rows.so"))
+    # the folder goes once the library is loaded (its mapping outlives the file)
+    with tempfile.TemporaryDirectory(prefix="cacheidx-rowkernels-") as tmp:
+        where = Path(tmp)
+        src = where / "rows.cpp"
+        src.write_text(PRELUDE + rowkernels.source(word) + DRIVER)
+        subprocess.run([COMPILER, "-std=c++17", "-O1", "-shared", "-fPIC", str(src), "-o",
+                        str(where / "rows.so")], check=True, capture_output=True)
+        return ctypes.CDLL(str(where / "rows.so"))
 
 
 def address(a) -> int:

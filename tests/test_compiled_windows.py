@@ -39,6 +39,9 @@ def test_a_compiled_windowed_engine_serves_twenty_multi_turn_runs_on_its_first_p
     model = LlamaModel(config, llama.random_params(config, seed=3))
     want, hits = conversations(Engine(model, backend="numpy", **OPTIONS))
     backend = backend_or_skip("torch")
+    # the step's programs live on its code, shared by every engine of the process: start with
+    # none, whichever tests ran before in this process
+    backend.forget()
     engine = Engine(model, backend="torch", compile="aot_eager", shapes="fixed", **OPTIONS)
     step = engine.executor
     with torch.inference_mode():
