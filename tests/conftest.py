@@ -1,6 +1,8 @@
 """Shared fixtures: the Hypothesis profile, and ``backend`` over every backend. The
 ``cacheidx_case`` fixture (every backend, eager and compiled) comes from cacheidx's own pytest
-plugin, the one an adapter's author uses."""
+plugin, the one an adapter's author uses, in the modes ``python -m cacheidx.conformance`` runs:
+eager, compiled and dynamic (torch's automatic mode across shapes is the one-step law of the
+dynamic run; ``--cacheidx-mode automatic`` runs every law in it)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,3 @@ BACKENDS = ["numpy", "strict", "torch", "jax", "cupy"]
 def backend(request) -> ci.backends.Backend:
     """Every backend; one that cannot run here is skipped with its reason."""
     return backend_or_skip(request.param)
-
-
-def pytest_configure(config) -> None:
-    # our own suite runs the laws in every mode, torch's automatic dynamic shapes included
-    # (the plugin's default, and the CLI's, leave that whole run out)
-    from cacheidx.conformance.suite import MODES
-
-    if not config.getoption("cacheidx_mode"):
-        config.option.cacheidx_mode = list(MODES)
