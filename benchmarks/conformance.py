@@ -1,7 +1,7 @@
 """How long the law suite takes: the default `python -m cacheidx.conformance` (every backend
 installed, every device, every default mode), end to end, per backend and mode; with `--pytest`
-also the whole test suite (`python -m pytest -q`). Each runs in a fresh process, as a user runs
-it.
+also the whole test suite (README's command: `python -m pytest -q -n auto --dist loadfile`).
+Each runs in a fresh process, as a user runs it.
 
     python benchmarks/conformance.py [--json PATH] [--pytest] [--docs]
 
@@ -49,8 +49,12 @@ def conformance() -> dict:
             "status": {f"{e['backend']}/{e['device']}": e["status"] for e in report["report"]}}
 
 
+#: the README's test command (its files over the cores)
+PYTEST = ["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]
+
+
 def pytest_run() -> dict:
-    wall, done = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"])
+    wall, done = timed([sys.executable, *PYTEST, "-p", "no:cacheprovider"])
     last = (done.stdout.strip().splitlines() or [""])[-1]
     return {"wall_seconds": round(wall, 1), "exit": done.returncode, "summary": last}
 
@@ -68,7 +72,8 @@ def tables(figures: dict) -> str:
                      f"| {r['failed']} | {r['seconds']} | {r['cpu_seconds']} |")
     if "pytest" in figures:
         p = figures["pytest"]
-        lines += ["", f"`python -m pytest -q`, same machine and run: **{p['wall_seconds']} s** "
+        lines += ["", f"`python {' '.join(PYTEST)}`, same machine and run: "
+                  f"**{p['wall_seconds']} s** "
                   f"(exit {p['exit']}): {p['summary']}"]
     return "\n".join(lines)
 

@@ -252,8 +252,9 @@ def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):
     and samples of one prompt: the same tokens with shared reads and without, and some program
     read a prefix once."""
     traced, prefixes = jax_programs
-    reqs = [Request(k, p, 6) for k, p in enumerate(prompts(4))]
-    reqs.append(Request("samples", SYSTEM + [7, 8, 9], 6, n=3))
+    # few and short: eager JAX compiles each operation for each new shape
+    reqs = [Request(k, p, 3) for k, p in enumerate(prompts(2))]
+    reqs.append(Request("samples", SYSTEM + [7, 8, 9], 3, n=2))
     got = serve("jax", reqs)
     assert prefixes, "no program read a shared prefix once"
     made = len(traced)
