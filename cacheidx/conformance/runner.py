@@ -71,12 +71,18 @@ def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], 
     index's, the model's or the one across shapes; ``None``: all). Without ``modes``: every
     mode the backend has but ``automatic``, whose behaviour across shapes one law checks in the
     dynamic run (a whole run in it is ``--mode automatic``). A backend that compiles gets a job
-    per family, so that the cores share the work evenly."""
+    per family, so that the cores share the work evenly; the index's laws, the most, a job per
+    compiled mode past the first (the eager run rides with the first)."""
     cls = backends._class(target["backend"])
     have = [m for m in MODES if m == "eager" or m in cls.modes]
     have = [m for m in have if m in (modes or DEFAULT_MODES)]
-    families = ["index", "attention", "model", "shapes"] if cls.modes else [None]
-    return [(have, family) for family in families] if have else []
+    if not have:
+        return []
+    if not cls.modes:
+        return [(have, None)]
+    first = have[:2] if len(have) > 1 and have[0] == "eager" else have[:1]
+    index = [(first, "index"), *(([m], "index") for m in have[len(first):])]
+    return [*index, *((have, f) for f in ("attention", "model", "shapes"))]
 
 
 def run_one(law: Any, case: Case) -> str | None:
@@ -198,12 +204,27 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     return report
 
 
-def _weight(backend: str, modes: list[str], family: str | None) -> tuple:
-    """A job's rough cost, to start the longest first (so the last to start are short): the
-    index's and the model's laws before the one law across shapes, then the more compiled
-    modes, then JAX (whose eager run compiles every operation once per shape)."""
-    return {"index": 2, "model": 2, "shapes": 1}.get(family, 0), len(modes), \
-        backend == "jax", family == "index"
+#: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine
+#: (docs/conformance.md), to start the longest first so that the last to start are short: JAX's
+#: eager laws compile every operation once per shape, torch's dynamic mode traces with
+#: symbolic shapes; another backend is taken to cost as torch does
+_COST = {
+    "torch": {"index": {"eager": 0.2, "compiled": 22, "dynamic": 31},
+              "shapes": {"compiled": 2, "dynamic": 16},
+              "model": {"eager": 1, "compiled": 6, "dynamic": 7},
+              "attention": {"eager": 0.5, "compiled": 2.5}},
+    "jax": {"index": {"eager": 24, "compiled": 6}, "shapes": {"eager": 3, "compiled": 1},
+            "model": {"eager": 12, "compiled": 3}, "attention": {"eager": 10, "compiled": 2}},
+}
+
+
+def _weight(backend: str, modes: list[str], family: str | None) -> float:
+    """A job's rough cost (:data:`_COST`); a backend without a compiler (one job of every
+    law, eager) costs about a second."""
+    if family is None:
+        return 1.0
+    costs = _COST.get(backend, _COST["torch"])[family]
+    return sum(costs.get(m, 1.0) for m in modes)
 
 
 def _read(out: str, err: str, t: dict, job: tuple, code: int) -> dict:
