@@ -308,8 +308,9 @@ def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Ca
     read that prefix once (the plan finds exactly the groups each case names: all lanes under
     one prefix, two groups, a prefix with a hole, a lane whose window starts inside it, a
     padding lane, lanes naming one sequence) and attend's output is softmax attention over
-    extend's seen all the same, its pools extend's bit for bit. (Compiled: the first case, one
-    program; torch's operator runs the eager path, JAX's program reads each lane's own.)"""
+    extend's seen all the same, its pools extend's bit for bit. (Eagerly JAX's program reads
+    the groups its own rules find. Compiled: the first case, one program; torch's operator runs
+    the eager path, a JAX step jitted whole reads each lane's own.)"""
     from ..attention import runs
 
     slots = 30 * PAGE
