@@ -85,13 +85,13 @@ GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
               "inference": torch.inference_mode}
 
 
-def decode_tokens(config, params, prompt, steps, forward, mode):
+def decode_tokens(config, params, prompt, steps, forward, mode, kv=None):
     """Greedy tokens: an eager prefill, then ``steps`` decode calls of ``forward``, each on a
-    new ``ci.make`` of the next positions, all under ``mode``."""
+    new ``ci.make`` of the next positions, all under ``mode``, over pools of ``kv``."""
     batch, seq = prompt.shape
     slots = seq + steps
     with GRAD_MODES[mode]():
-        pools = llama.empty_pools(config, batch * slots, xp="torch")
+        pools = llama.empty_pools(config, batch * slots, xp="torch", kv=kv)
         index = ci.rows(slots, [seq] * batch, xp="torch")
         table = index.table
         logits, pools = llama.forward(params, config, prompt, index, pools, last=True)
@@ -119,6 +119,20 @@ def test_a_compiled_windowed_decode_compiles_once_and_gives_eagers_tokens(mode, 
     want = decode_tokens(config, params, prompt, 8, llama.forward, mode)
     step, count = compiled(lambda p, c, t, i, q: llama.forward(p, c, t, i, q), dynamic=dynamic)
     got = decode_tokens(config, params, prompt, 8, step, mode)
+    assert torch.equal(got, want)
+    assert count.graphs == 1
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_a_compiled_decode_over_quantized_pools_under_inference_mode_gives_eagers_tokens(kv):
+    """The same over quantized pools (codes and scales, the compiled operator's four pools),
+    under ``torch.inference_mode()`` as users serve: one program, eager's tokens."""
+    config = llama.Config.tiny(windows=(4, None))
+    params = llama.random_params(config, xp="torch")
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    want = decode_tokens(config, params, prompt, 6, llama.forward, "inference", kv)
+    step, count = compiled(lambda p, c, t, i, q: llama.forward(p, c, t, i, q))
+    got = decode_tokens(config, params, prompt, 6, step, "inference", kv)
     assert torch.equal(got, want)
     assert count.graphs == 1
 
