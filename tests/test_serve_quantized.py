@@ -77,6 +77,7 @@ def test_int8_pools_serve_a_chat_with_prefix_hits_as_without_the_cache(tiny, nam
         assert not any(r.error for r in runs[label][1].values()), label
         check_no_leak(engine)
     figures = {label: e.figures() for label, (e, _) in runs.items()}
+    assert {f["kv"] for f in figures.values()} == {"int8"}
     assert figures["cache"]["cached_tokens"] > 0 and figures["none"]["cached_tokens"] == 0
     assert figures["cache"]["computed_tokens"] < figures["none"]["computed_tokens"]
     assert runs["pressure"][0].cache.evictions > 0, "the pressure run evicted nothing"

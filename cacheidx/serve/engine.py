@@ -277,8 +277,10 @@ class Engine:
         return [self._finished.pop(t) for t in tickets]
 
     def figures(self) -> dict:
-        """The scheduler's token and page figures, and time."""
+        """The scheduler's token and page figures, the pools' kind (``kv``: ``"float"``, or
+        ``"int8"``/``"int4"``), and time."""
         f = self.scheduler.figures()
+        f["kv"] = self.kv or "float"
         seconds = self.now() if self.clock == "seconds" else None
         decode_s = self.timing["decode"]
         f.update({
