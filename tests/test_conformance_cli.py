@@ -54,3 +54,34 @@ def test_the_help_states_the_exit_status(capsys):
         cli.main(["--help"])
     assert "Exit status: 0 every law passed, 1 some law failed or no backend ran, 2 bad usage" \
         in " ".join(capsys.readouterr().out.split())
+
+
+def test_one_worker_runs_the_jobs_of_its_backend_one_after_another():
+    """A worker reads a job a line and reports each, so a backend's library is imported once
+    for all its jobs; the runner hands a worker the jobs of its own backend only."""
+    import subprocess
+    import sys
+
+    from cacheidx.conformance import runner
+
+    job = {"backend": "numpy", "device": "cpu", "modes": ["eager"], "family": None}
+    lines = "".join(json.dumps({**job, "family": f}) + "\n" for f in ("model", "index"))
+    done = subprocess.run([sys.executable, "-m", "cacheidx.conformance.worker"], input=lines,
+                          capture_output=True, text=True, timeout=120, check=True)
+    reports = [json.loads(x[len(runner.REPORT):]) for x in done.stdout.splitlines()
+               if x.startswith(runner.REPORT)]
+    assert [sorted(r["modes"]["eager"]["laws"]) for r in reports] == [
+        sorted(law.name for law in runner.LAWS if law.family == f and law.runs("eager"))
+        for f in ("model", "index")]
+    ran = []
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        real = runner._Worker.give
+        m.setattr(runner._Worker, "give",
+                  lambda w, j, o: (ran.append((w.proc.pid, w.t["backend"])), real(w, j, o)))
+        report = runner.run(["numpy", "strict"], modes=["eager"], workers=2, progress=None)
+    assert all(e["status"] == "pass" for e in report)
+    by = {}
+    for pid, name in ran:
+        by.setdefault(pid, set()).add(name)
+    assert all(len(names) == 1 for names in by.values())

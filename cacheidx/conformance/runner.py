@@ -2,17 +2,21 @@
 
 The work is cut into jobs, one per backend, device and law family (:func:`jobs`), each running
 the backend's modes one after another in one process. Jobs run in worker processes, as many at
-once as the machine has cores, the longest first, so a backend's compiler caches and settings
+once as the machine has cores, the longest first; a worker runs jobs of one backend and device
+only (it imports its library once for all of them), so a backend's compiler caches and settings
 never leak into another's; ``workers=1`` runs them here, one after another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import queue
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -129,19 +133,57 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
     return out
 
 
-def _spawn(name: str, device: str, job: tuple[list[str], str | None], options: dict, *,
-           tuned: bool = True) -> subprocess.Popen:
-    """A worker for one job. ``tuned``: with the backend's settings for checking (a library
-    that rejects one of them fails at once, and the job is started again without them)."""
-    modes, family = job
-    spec = json.dumps({"backend": name, "device": device, "modes": modes, "family": family,
-                       **options})
+#: the line a worker starts each job's report with (anything else a law prints is not one)
+REPORT = "cacheidx-conformance-report "
+
+
+def _spawn(name: str, device: str, options: dict, *, tuned: bool = True) -> subprocess.Popen:
+    """A worker for jobs of backend ``name``: it reads a job a line on its standard input and
+    writes each one's report as a :data:`REPORT` line, till its input closes. ``tuned``: with
+    the backend's settings for checking (a library that rejects one of them fails at once, and
+    the job is started again without them)."""
     # one thread a worker: the workers already fill the cores, and every tensor is tiny
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if tuned:
         env.update(backends.get(name).checking_env(device))
-    return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker", spec],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _spec(t: dict, job: tuple[list[str], str | None], options: dict) -> str:
+    modes, family = job
+    return json.dumps({"backend": t["backend"], "device": t["device"], "modes": modes,
+                       "family": family, **options})
+
+
+class _Worker:
+    """A worker process and the job it runs; a thread reads its reports into ``inbox`` (and
+    ``None`` when it ends) and another keeps its standard error, so neither pipe fills."""
+
+    def __init__(self, t: dict, options: dict, inbox: queue.Queue, *, tuned: bool = True):
+        self.t, self.tuned, self.job, self.began = t, tuned, None, 0.0
+        self.proc = _spawn(t["backend"], t["device"], options, tuned=tuned)
+        self.err: list[str] = []
+        self.reported = 0
+        threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self, inbox: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPORT):
+                inbox.put((self, line[len(REPORT):]))
+        inbox.put((self, None))
+
+    def give(self, job: tuple, options: dict) -> None:
+        self.job, self.began = job, time.perf_counter()
+        with contextlib.suppress(OSError):  # it ended: its reader says so, naming the job
+            self.proc.stdin.write(_spec(self.t, job, options) + "\n")
+            self.proc.stdin.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
 
 
 def run(names: list[str] | None = None, device: str | None = None, *,
@@ -175,25 +217,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         for t, job in todo:
             done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1], **options))
     else:
-        pending, running, retried = list(todo), [], set()
-        while pending or running:
-            while pending and len(running) < workers:
-                t, job = pending.pop(0)
-                running.append((t, job, _spawn(t["backend"], t["device"], job, options),
-                                time.perf_counter()))
-            time.sleep(0.05)
-            for item in [r for r in running if r[2].poll() is not None]:
-                running.remove(item)
-                t, job, proc, began = item
-                out, err = proc.communicate()
-                if proc.returncode and not out.strip() and began not in retried:
-                    retried.add(began)  # rejected a setting before it began: once more without
-                    running.append((t, job, _spawn(t["backend"], t["device"], job, options,
-                                                   tuned=False), began))
-                    continue
-                report = _read(out, err, t, job, proc.returncode)
-                report["wall_seconds"] = round(time.perf_counter() - began, 2)
-                done(t, job, report)
+        _parallel(todo, options, workers, done)
     report = []
     for t in found:
         if t["status"] != "run":
@@ -202,6 +226,55 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         report.append(_entry(t, results.get((t["backend"], t["device"]), [])))
     say(f"all jobs: {time.perf_counter() - start:.1f} s")
     return report
+
+
+def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any) -> None:
+    """Run ``todo`` (longest first) in at most ``workers`` processes at once: a worker that
+    finishes a job takes the longest job left of its own backend and device (its library
+    imported once for all of them; a backend's compiler caches never meet another's), else
+    ends, and a new one starts for the longest job left."""
+    pending, inbox, live = list(todo), queue.Queue(), []
+
+    def start(w: _Worker | None = None) -> None:
+        if w is not None:
+            mine = [tj for tj in pending if tj[0] is w.t]
+            if mine:
+                pending.remove(mine[0])
+                w.give(mine[0][1], options)
+                return
+            w.close()
+            live.remove(w)
+        while pending and len(live) < workers:
+            t, job = pending.pop(0)
+            nw = _Worker(t, options, inbox)
+            nw.give(job, options)
+            live.append(nw)
+
+    start()
+    while live:
+        w, line = inbox.get()
+        if line is None:  # the worker ended
+            w.proc.wait()
+            if w in live:
+                live.remove(w)
+            if w.job is not None:  # in the middle of a job
+                if w.tuned and not w.reported:  # rejected a setting before it began: again
+                    again = _Worker(w.t, options, inbox, tuned=False)
+                    again.give(w.job, options)
+                    live.append(again)
+                    continue
+                out = ""
+                report = _read(out, "".join(w.err), w.t, w.job, w.proc.returncode)
+                report["wall_seconds"] = round(time.perf_counter() - w.began, 2)
+                done(w.t, w.job, report)
+            start()
+            continue
+        w.reported += 1
+        report = _read(line, "", w.t, w.job, 0)
+        report["wall_seconds"] = round(time.perf_counter() - w.began, 2)
+        job, w.job = w.job, None
+        done(w.t, job, report)
+        start(w)
 
 
 #: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine

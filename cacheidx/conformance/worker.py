@@ -1,21 +1,29 @@
-"""One job of the law suite in a process of its own: ``python -m cacheidx.conformance.worker
-SPEC`` runs the backend, device and modes that the JSON ``SPEC`` names and prints the job's
-report as one JSON line (see :func:`cacheidx.conformance.runner.run_job`)."""
+"""Jobs of the law suite in a process of their own: ``python -m cacheidx.conformance.worker``
+reads one JSON job a line on its standard input (the backend, device and modes it names, see
+:func:`cacheidx.conformance.runner.run_job`) and writes each job's report as one JSON line
+after :data:`~cacheidx.conformance.runner.REPORT`, till its input closes; ``worker SPEC`` runs
+the one job ``SPEC``."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from .runner import run_job
+from .runner import REPORT, run_job
 
 
-def main(argv: list[str] | None = None) -> int:
-    spec = json.loads((argv or sys.argv[1:])[0])
+def _run(spec: dict) -> str:
     job = run_job(spec["backend"], spec["device"], spec["modes"], family=spec.get("family"),
                   precision=spec.get("precision", "highest"),
                   torch_compiler=spec.get("torch_compiler"))
-    print(json.dumps(job, default=str))
+    return REPORT + json.dumps(job, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    for line in args or sys.stdin:
+        if line.strip():
+            print(_run(json.loads(line)), flush=True)
     return 0
 
 
