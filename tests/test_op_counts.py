@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import cacheidx as ci  # noqa: E402
 from cacheidx.backends import torch as torch_backend  # noqa: E402
+from cacheidx.backends import torch_rows  # noqa: E402
 
 B, CTX, W, SLOTS = 4, 32, 8, 256
 
@@ -132,7 +133,7 @@ def test_the_operations_have_fake_kernels():
     """Under a FakeTensorMode (export, shape propagation) the operations give shapes only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    torch_backend._define_ops()
+    torch_rows.define()
     with FakeTensorMode():
         pool, slots = torch.empty(6, 2, 3), torch.zeros(4, dtype=torch.long)
         got = torch.ops.cacheidx.gated_rows(pool, slots, torch.ones(4, dtype=torch.bool))

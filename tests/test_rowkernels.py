@@ -107,6 +107,7 @@ def test_torch_eager_through_the_kernels(monkeypatch):
     host: one launch to store, one to read, exact against NumPy."""
     torch = pytest.importorskip("torch", reason="the torch adapter needs PyTorch")
     from cacheidx.backends import torch as torch_backend
+    from cacheidx.backends import torch_rows
 
     kernels: list[Kernel] = []
 
@@ -115,8 +116,8 @@ def test_torch_eager_through_the_kernels(monkeypatch):
         return kernels[-1]
 
     monkeypatch.setattr(torch_backend, "_on_host", lambda *_: False)
-    monkeypatch.setattr(torch_backend, "_kernels_on", lambda x: True)
-    monkeypatch.setattr(torch_backend, "_kernel", kernel)
+    monkeypatch.setattr(torch_rows, "kernels_on", lambda x: True)
+    monkeypatch.setattr(torch_rows, "kernel", kernel)
     rng = np.random.default_rng(1)
     table = rng.permutation(64)[:3 * 10].reshape(3, 10)
     table[2, 6:] = -1
@@ -140,13 +141,13 @@ def test_a_kernel_that_cannot_compile_warns_once_and_leaves_plain_torch():
     pytest.importorskip("torch", reason="the torch adapter needs PyTorch")
     import torch.utils.cpp_extension as ext
 
-    from cacheidx.backends import torch as torch_backend
+    from cacheidx.backends import torch_rows
 
     before = ext.CUDA_HOME
-    torch_backend._kernel.cache_clear()
+    torch_rows.kernel.cache_clear()
     try:
         with pytest.warns(UserWarning, match="did not compile"):
-            assert torch_backend._kernel("cacheidx_gated_rows", 4, None) is None
+            assert torch_rows.kernel("cacheidx_gated_rows", 4, None) is None
     finally:
-        torch_backend._kernel.cache_clear()
+        torch_rows.kernel.cache_clear()
     assert ext.CUDA_HOME == before
