@@ -229,10 +229,15 @@ def test_jax_reads_a_quantized_prefix_once_as_without(bits, jax_programs):
     assert_same_call(shared, alone, f"{bits} bits")
 
 
-def test_a_jax_decode_loop_sharing_a_prefix_compiles_once(jax_programs):
+def test_a_jax_decode_loop_sharing_a_prefix_compiles_once(jax_programs, monkeypatch):
     """Six decode steps (``advance()``) of lanes whose groups stay the same: one program, the
-    prefix read once in it, each step's output the unshared call's."""
+    prefix read once in it, each step's output the unshared call's, and the groups found once
+    (the plan carries them across ``advance()``)."""
+    from cacheidx.attention import jax as path
+
     traced, prefixes = jax_programs
+    found, real = [], path.sharing
+    monkeypatch.setattr(path, "sharing", lambda *a, **k: found.append(1) or real(*a, **k))
     pos, table, _, groups = jax_cases()["two groups and a lane alone"]
     ix, arrays = jax_call(pos, table, False, seed=3)
     q, k, v, kpool, vpool = arrays
@@ -245,6 +250,7 @@ def test_a_jax_decode_loop_sharing_a_prefix_compiles_once(jax_programs):
         ix = ix.advance()
     assert traced == [(), groups], f"programs traced: {traced}"
     assert prefixes == list(groups)
+    assert len(found) == 1, f"the groups were found {len(found)} times in 6 steps"
 
 
 def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):

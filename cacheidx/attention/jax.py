@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import plan as plans
 from ..devices import to_host
 from ..laws import inside
 from ..quantized import Quantized
@@ -111,6 +112,28 @@ def _share(call: Any) -> Share:
     heads = int(call.q.shape[2])
     return index.planned("share", (n, heads, call.tile),
                          lambda: sharing(index, n, heads, call.tile))
+
+
+def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
+    """The groups of ``nxt = index.advance()`` (over the same table, or one that keeps its
+    columns: :meth:`~cacheidx.plan.Plan.advanced` makes sure) from ``index``'s, where they
+    follow: a decode step after a decode step (one token a lane, no window, positions not
+    blocks), every lane of a group still past its prefix. Each group then holds as it was: its
+    lanes name the same slots at its columns, and each lane's one token sees every column below
+    it. A lane that joins none stays out (it reads its prefix as its own, the law the same).
+    ``None`` (found anew) wherever that is not so."""
+    if (index.seq != 1 or nxt.seq != 1 or index.block != 1 or index.window_size is not None
+            or index.columns is not None):
+        return None
+    if not share:
+        return share
+    pos, valid = to_host(nxt.pos)[:, 0], to_host(nxt.valid)[:, 0]
+    if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
+        return share
+    return None
+
+
+plans.CARRY["share"] = carry
 
 
 def _reader(index: Any) -> Any:
