@@ -39,3 +39,11 @@ BACKENDS = ["numpy", "strict", "torch", "jax", "cupy"]
 def backend(request) -> ci.backends.Backend:
     """Every backend; one that cannot run here is skipped with its reason."""
     return backend_or_skip(request.param)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items) -> None:
+    # the law suite's cases first (after the plugin has grouped them by backend and mode): the
+    # longest file, so that spread over the cores (README's test command) it starts first and
+    # the other files fill the other cores meanwhile
+    items.sort(key=lambda item: "cacheidx_case" not in getattr(item, "fixturenames", ()))
