@@ -229,18 +229,17 @@ def run(names: list[str] | None = None, device: str | None = None, *,
 
 
 def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any) -> None:
-    """Run ``todo`` (longest first) in at most ``workers`` processes at once: a worker that
-    finishes a job takes the longest job left of its own backend and device (its library
-    imported once for all of them; a backend's compiler caches never meet another's), else
-    ends, and a new one starts for the longest job left."""
+    """Run ``todo`` (longest first) in at most ``workers`` processes at once, each next job the
+    longest left: a worker that finishes a job takes it where it is of its own backend and
+    device (its library already imported; a backend's compiler caches never meet another's),
+    else ends, and a new one starts for it. (Keeping a worker to its backend's jobs whatever
+    their length would leave one core with every torch job.)"""
     pending, inbox, live = list(todo), queue.Queue(), []
 
     def start(w: _Worker | None = None) -> None:
         if w is not None:
-            mine = [tj for tj in pending if tj[0] is w.t]
-            if mine:
-                pending.remove(mine[0])
-                w.give(mine[0][1], options)
+            if pending and pending[0][0] is w.t:
+                w.give(pending.pop(0)[1], options)
                 return
             w.close()
             live.remove(w)
