@@ -80,9 +80,11 @@ class JaxBackend(Backend):
         if device_label != "cpu":
             return {}
         # the law suite compiles hundreds of tiny programs, eagerly one per operation and shape:
-        # XLA's CPU compiler spends most of that time optimising code that runs once
+        # XLA's CPU compiler spends most of that time optimising code that runs once; and each
+        # in one piece, on one thread (the workers already fill the cores, and splitting a
+        # program's code over threads costs more than it saves: docs/conformance.md)
         fast = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+                "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
         return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {fast}".strip()}
 
     def device_label(self, device: Any) -> str:
