@@ -24,8 +24,8 @@ Laws of :class:`Step`:
    call over the same lanes is fed those, device to device, without the host. Eagerly, that
    next call's index is the last one's ``advance(table=...)`` over the scheduler's table now
    (one per group, law 6), so its plan is carried wherever the table kept the columns the last
-   one read (:meth:`cacheidx.CacheIndex.advance`); with ``debug``, its positions and row map
-   are checked against the scheduler's.
+   one read (:meth:`cacheidx.CacheIndex.advance`), also when the table grew by a page since;
+   with ``debug``, its positions and row map are checked against the scheduler's.
 5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
    reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
 6. With ``groups`` (several groups of layers, :mod:`cacheidx.serve.groups`) the scheduler
@@ -179,8 +179,8 @@ class Step:
         pos[:lanes, seq_ - seq :] = batch.pos
         tokens = np.zeros((lanes_, seq_), dtype=np.int64)
         tokens[:lanes, seq_ - seq :] = batch.tokens
-        fed = self._fed if batch.follows and self._fed is not None and self._fed.key == key \
-            else None
+        fed = self._fed if batch.follows and self._fed is not None and _follows(
+            self._fed, key) else None
         now = [self._table_of(g, t, columns, v)
                for g, (t, v) in enumerate(zip(tables, versions, strict=True))]
         if fed is not None and fed.indices is not None:  # eagerly, the plan carried (law 4)
@@ -269,6 +269,15 @@ def _pools(model: Any, weights: Any, slots: Any, kv: str | None) -> Any:
         raise ValueError(f"cacheidx.serve.Step: {type(model).__name__}.pools takes no kv, so "
                          f"it makes no quantized pools (kv={kv!r})")
     return model.pools(weights, slots, kv=kv)
+
+
+def _follows(fed: _Fed, key: tuple) -> bool:
+    """Whether a call of shape ``key`` (lanes, tokens, columns) is fed the last call's outputs:
+    the same shape; eagerly (the last call's indices kept) the same lanes and tokens, its table
+    maybe a page wider (``advance(table=)`` takes a wider table)."""
+    if fed.indices is not None:
+        return fed.key[:2] == key[:2] and fed.key[2] <= key[2]
+    return fed.key == key
 
 
 def _steps(model: Any, xp: Any, groups: Groups | None = None, eager: bool = False
