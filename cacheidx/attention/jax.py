@@ -81,7 +81,7 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     on_host = index.map(to_host)
     table = on_host.lane_table
     width = int(table.shape[1])
-    if index.seq > runs.ROWS or index.batch * index.seq * width > 1 << 22:
+    if index.seq > runs.ROWS or index.batch * index.seq * width > runs.WHOLE:
         return ()  # as runs' plan: the host never holds a larger mask
     whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
     found = runs.prefixes(table, on_host.seen_by_some(), whole, n, index.seq, heads, SCORES,

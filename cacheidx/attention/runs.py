@@ -58,11 +58,15 @@ from ..laws import inside
 from ..quantized import Quantized
 from . import layout, paths
 from .softmax import Online, group, ungroup
+from .tiles import rows
 
 __all__ = ["SHARED", "prefixes", "read", "shares", "sharing", "unshared"]
 
 #: queries a block holds: a long prefill's scores stay within bounds with wide column tiles
 ROWS = 256
+#: the most elements of a call's mask the host holds at once (a decode step's [batch, 1, width]);
+#: past it, each piece's part of the mask
+WHOLE = 1 << 22
 #: the most runs a lane may hold for views to pay: past it, the tiles' batched reads win
 MOST_RUNS = 16
 #: bytes of a view's keys past which its products read it in chunks (:attr:`Online.chunk`),
@@ -168,9 +172,9 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
     on_host = _host_index(index)
     table, some = on_host.lane_table, on_host.seen_by_some()
     width = int(table.shape[1])
-    # a short call's whole mask at once (a decode step's is [batch, 1, width]); a long one's
-    # per piece, so that the host never holds [batch, seq, width]
-    whole = on_host.mask() if index.batch * index.seq * width <= 1 << 22 else None
+    # a short call's whole mask at once; a long one's per piece, so that the host never holds
+    # [batch, seq, width]
+    whole = on_host.mask() if index.batch * index.seq * width <= WHOLE else None
     groups = prefixes(table, some, whole, n, index.seq, heads, scores, tile) if share else []
     own = {b: g.width for g in groups for b in g.lanes}  # a lane's first column of its own
     lanes = []
@@ -354,12 +358,12 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Any) -> _Runs | None:
         else:
             return None  # a new run: found anew, with the runs' bound
         out.append([(i0, i1, pieces)])
-    own = None
+    tile = None
     if runs.own is not None:  # the own tile, one column longer: made again (a host pass)
-        own = _own(nxt, table, on_host.seen_by_some(), on_host.mask(), groups, n)
-        if own is None:
+        tile = _own(nxt, table, on_host.seen_by_some(), on_host.mask(), groups, n)
+        if tile is None:
             return None
-    return _Runs(out, groups, own)
+    return _Runs(out, groups, tile)
 
 
 plans.CARRY["runs"] = carry
@@ -427,13 +431,9 @@ def _owned(call: Any, own: _Own, grouped: Any, dv: int, shared: dict) -> dict[in
     parts = [shared[b][0] for b in lanes]  # a lane shares one prefix: its group's
     state.merge(*(xp.concat([p[i] for p in parts], axis=0) for i in range(3)))
 
-    def rows(pool: Any) -> Any:
-        if isinstance(pool, Quantized):
-            return pool.map(rows)
-        got = index.backend.read(pool, own.read)
-        return xp.reshape(got, (len(lanes), own.width, *pool.shape[1:]))
-
-    state.add(rows(call.kpool), rows(call.vpool), own.mask)
+    shape = (len(lanes), own.width)
+    state.add(rows(index, call.kpool, own.read, shape), rows(index, call.vpool, own.read, shape),
+              own.mask)
     out = state.normalised(call.sinks)
     return {b: out[i:i + 1, ...] for i, b in enumerate(lanes)}
 
@@ -501,7 +501,9 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_P
     part = None
     for piece in pieces:
         if isinstance(piece, _Gathered):
-            state.add(_read(call.index, kpool, piece), _read(call.index, vpool, piece), None)
+            shape = (1, piece.width)
+            state.add(rows(call.index, kpool, piece.read, shape),
+                      rows(call.index, vpool, piece.read, shape), None)
             continue
         c0, c1, s0, full = piece
         if full and native_ok and _native(state, grouped, i0, i1, kpool, vpool, s0, c1 - c0):
@@ -513,13 +515,6 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_P
                 part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
             mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
         state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
-
-
-def _read(index: Any, pool: Any, piece: _Gathered) -> Any:
-    """A gathered piece's rows of ``pool`` (each part of a quantized one), ``[1, width, ...]``."""
-    if isinstance(pool, Quantized):
-        return pool.map(lambda part: _read(index, part, piece))
-    return index.backend.read(pool, piece.read)[None, ...]
 
 
 def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, s0: int,

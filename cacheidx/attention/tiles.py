@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from ..laws import inside
 from ..quantized import Quantized
 
-__all__ = ["Tile", "draft", "read"]
+__all__ = ["Tile", "draft", "read", "rows"]
 
 
 class Tile(NamedTuple):
@@ -62,12 +62,17 @@ def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
         yield c0, min(width, c0 + size)
 
 
-def _rows(index: Any, pool: Any, plan: _Plan) -> Any:
-    """A tile's rows of ``pool`` (of a quantized pool, its codes and scales, each so)."""
+def rows(index: Any, pool: Any, read: Any, shape: tuple[int, ...]) -> Any:
+    """The rows of ``pool`` the backend's read plan ``read`` reads, ``[*shape, ...]`` (of a
+    quantized pool, its codes and scales, each so)."""
     if isinstance(pool, Quantized):
-        return pool.map(lambda part: _rows(index, part, plan))
-    got = index.backend.read(pool, plan.read)
-    return index.xp.reshape(got, (*plan.shape, *pool.shape[1:]))
+        return pool.map(lambda part: rows(index, part, read, shape))
+    return index.xp.reshape(index.backend.read(pool, read), (*shape, *pool.shape[1:]))
+
+
+def _rows(index: Any, pool: Any, plan: _Plan) -> Any:
+    """A tile's rows of ``pool``."""
+    return rows(index, pool, plan.read, plan.shape)
 
 
 def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any) -> list[_Plan]:
