@@ -167,7 +167,9 @@ class _Worker:
         self.err: list[str] = []
         self.reported = 0
         threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+        self._errors = threading.Thread(target=lambda: self.err.extend(self.proc.stderr),
+                                        daemon=True)
+        self._errors.start()
 
     def _read(self, inbox: queue.Queue) -> None:
         for line in self.proc.stdout:
@@ -184,6 +186,12 @@ class _Worker:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
+
+    def ended(self) -> str:
+        """Its standard error, whole, once it has ended."""
+        self.proc.wait()
+        self._errors.join()
+        return "".join(self.err)
 
 
 def run(names: list[str] | None = None, device: str | None = None, *,
@@ -249,31 +257,31 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
             nw.give(job, options)
             live.append(nw)
 
-    start()
-    while live:
-        w, line = inbox.get()
-        if line is None:  # the worker ended
-            w.proc.wait()
-            if w in live:
-                live.remove(w)
-            if w.job is not None:  # in the middle of a job
-                if w.tuned and not w.reported:  # rejected a setting before it began: again
-                    again = _Worker(w.t, options, inbox, tuned=False)
-                    again.give(w.job, options)
-                    live.append(again)
-                    continue
-                out = ""
-                report = _read(out, "".join(w.err), w.t, w.job, w.proc.returncode)
-                report["wall_seconds"] = round(time.perf_counter() - w.began, 2)
-                done(w.t, w.job, report)
-            start()
-            continue
-        w.reported += 1
-        report = _read(line, "", w.t, w.job, 0)
+    def finish(w: _Worker, out: str, err: str, code: int) -> None:
+        report = _read(out, err, w.t, w.job, code)
         report["wall_seconds"] = round(time.perf_counter() - w.began, 2)
         job, w.job = w.job, None
         done(w.t, job, report)
-        start(w)
+
+    start()
+    while live:
+        w, line = inbox.get()
+        if line is not None:  # a job's report
+            w.reported += 1
+            finish(w, line, "", 0)
+            start(w)
+            continue
+        err = w.ended()  # the worker ended
+        if w in live:
+            live.remove(w)
+        if w.job is not None:  # in the middle of a job
+            if w.tuned and not w.reported:  # rejected a setting before it began: again
+                again = _Worker(w.t, options, inbox, tuned=False)
+                again.give(w.job, options)
+                live.append(again)
+                continue
+            finish(w, "", err, w.proc.returncode)
+        start()
 
 
 #: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine
