@@ -107,3 +107,18 @@ def positive_arg(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
     return n
+
+
+def one_device(fn: str, named: list[tuple[str, Any]]) -> None:
+    """Raises naming ``fn`` where the arrays ``named`` (``(name, array)`` pairs) lie on more
+    than one device; a tracer or a sharded array says nothing (placement is the compiler's)."""
+    devices = []
+    for name, x in named:
+        try:
+            devices.append((name, compat.device(x)))
+        except Exception:
+            return
+    first_name, first = devices[0]
+    for name, d in devices[1:]:
+        if d != first:
+            raise fail(fn, f"{name} lies on {d} but {first_name} on {first}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import array_api_compat as compat
 import numpy as np
 
 from . import _arguments as arguments
@@ -56,7 +55,7 @@ def make(pos: Any, table: Any, *, row: Any = None,
             raise arguments.fail("make", f"two tables of blocks have m = {m}")
         blocks.append((m, arguments.array("make", f"the table of blocks of {m}", b, xp,
                                       (rows_, None))))
-    _one_device("make", named)
+    arguments.one_device("make", named)
     return CacheIndex(kind="tabled", pos=pos, table=table, row=row, blocks=tuple(blocks))
 
 
@@ -181,16 +180,3 @@ def _converter(xp: Any, device: Any):
         return ns.asarray(a, dtype=dtype, device=device)
 
     return to
-
-
-def _one_device(fn: str, named: list[tuple[str, Any]]) -> None:
-    devices = []
-    for name, x in named:
-        try:
-            devices.append((name, compat.device(x)))
-        except Exception:  # a tracer or a sharded array: placement is the compiler's
-            return
-    first_name, first = devices[0]
-    for name, d in devices[1:]:
-        if d != first:
-            raise arguments.fail(fn, f"{name} lies on {d} but {first_name} on {first}")

@@ -273,12 +273,7 @@ class CacheIndex:
         if table.dtype != self.table.dtype:
             raise TypeError(f"cacheidx.advance: table holds {table.dtype} but the index's "
                             f"table {self.table.dtype}")
-        try:
-            here, there = self.backend.device(self.table), self.backend.device(table)
-        except Exception:  # a tracer or a sharded array: placement is the compiler's
-            return
-        if here != there:
-            raise arguments.fail("advance", f"table lies on {there} but the index's on {here}")
+        arguments.one_device("advance", [("the index's table", self.table), ("table", table)])
 
     def to_device(self, device: Any) -> CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
