@@ -286,6 +286,9 @@ class CacheIndex:
     def positions(self) -> Any:
         """The tokens' positions clamped to 0 and the last column of the positions' table
         (``seq - 1`` without one), for rotating: padding is 0. Independent of ``every``."""
+        return self._one_call(CacheIndex._positions)
+
+    def _positions(self) -> Any:
         last = self.seq if self.table is None else int(self.table.shape[1])
         return _clamp(self.xp, self.pos, 0, last - 1)
 
@@ -361,6 +364,9 @@ class CacheIndex:
         """Which columns of ``extend``'s seen each token sees: ``[batch, seq, context]``, or
         ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
         its position, under a window only the last ``w`` of them; a padded token sees none."""
+        return self._one_call(CacheIndex._mask)
+
+    def _mask(self) -> Any:
         if self.draft_slots is not None:
             j = self.arange(int(self.table.shape[1]))[None, None, :]
             return self.xp.concat([self.draft_sees_table(j), self.draft_tail()], axis=2)
@@ -371,7 +377,10 @@ class CacheIndex:
 
     def visible(self) -> Any:
         """``mask`` broadcastable to attention's ``[batch, heads, seq, context]``."""
-        return self.mask()[:, None, ...]
+        return self._one_call(CacheIndex._visible)
+
+    def _visible(self) -> Any:
+        return self._mask()[:, None, ...]
 
     def sees_columns(self, cols: Any) -> Any:
         """[batch, seq, k]: whether token ``i`` of lane ``b`` sees column ``cols[b, i, k]``
@@ -423,11 +432,15 @@ class CacheIndex:
         float32: the call as through a float pool holding its values'
         :func:`~cacheidx.quantized.roundtrip` (:mod:`cacheidx.quantized`'s laws)."""
         self.validate(values, pool)
-        if self.kind != "tabled":
-            return self.seen_whole(self.stands_for(values, pool)), pool
+        donate = bool(donate) and self.kind == "tabled"  # a whole index stores nothing
         if donate:
             for part in parts(pool):
                 arguments.owned("extend", "pool", part)
+        return self._one_call(CacheIndex._extend, values, pool, donate, donated=1, static=2)
+
+    def _extend(self, values: Any, pool: Any, donate: bool) -> tuple[Any, Any]:
+        if self.kind != "tabled":
+            return self.seen_whole(self.stands_for(values, pool)), pool
         self.follow()
         pool = self.store(values, pool, donate)
         # the call's own values are read only under a draft (its tail of columns)
@@ -478,6 +491,21 @@ class CacheIndex:
         if not quantized and values.dtype != pool.dtype:
             raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "
                             f"{pool.dtype}")
+
+    def _one_call(self, fn: Callable[..., Any], *args: Any, donated: int | None = None,
+                 static: int | None = None) -> Any:
+        """``fn(self, *args)``, run as the library runs an eager call best: one program of the
+        whole call, kept per structure and shape, where it compiles each eager operation apart
+        (JAX; :meth:`Arrays.one_program <cacheidx.backends.Arrays.one_program>`), ``fn``
+        itself elsewhere and wherever a value is traced (inside the caller's own program).
+        ``args[donated]`` is given up to the program where ``args[static]`` (a flag) is true;
+        ``args[static]`` is part of its key."""
+        backend = self.backend
+        if any(backend.tracing(a) for a in (self.pos, *_arrays(args))):
+            return fn(self, *args)
+        given = () if donated is None or not args[static] else (donated + 1,)
+        kept = () if static is None else (static + 1,)
+        return backend.one_program(fn, donate_argnums=given, static_argnums=kept)(self, *args)
 
     def follow(self) -> Plan:
         """:attr:`plan`, its parts dropped first where the index's tensors no longer hold the

@@ -332,6 +332,46 @@ def test_extend_without_donation_leaves_the_callers_pool():
     same(pool, kept)
 
 
+def compiles(fn):
+    """How many programs XLA compiles while ``fn()`` runs (JAX's public monitoring events)."""
+    got = []
+
+    def heard(name, _seconds, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            got.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    return len(got)
+
+
+ONE_PROGRAM = ["rows", "window", "blocks", "quantized"]
+
+
+@pytest.mark.parametrize("kind", ONE_PROGRAM)
+def test_an_eager_call_is_one_program_per_structure_and_shape(kind):
+    """Eagerly, extend, mask, visible and positions each run as one program: JAX would compile
+    each of their operations apart (dozens) for every new shape. (Each kind a context width
+    of its own, which no other test compiles for.)"""
+    width = 21 + ONE_PROGRAM.index(kind)
+    ix = ci.rows(width, [3, 5], every=[3] if kind == "blocks" else (), xp="jax")
+    ix = ix.window(2) if kind == "window" else ix.every(3) if kind == "blocks" else ix
+    values, pool = filled(ix, 2 * width)
+    if kind == "quantized":
+        values = values[:, :, None, :]
+        pool = ci.quantized.zeros(pool.shape[0], 1, 2, xp="jax")
+    again = jnp.asarray(host(values) + 1)
+    for call in (lambda: ix.extend(values, pool), ix.mask, ix.visible, ix.positions):
+        assert compiles(call) == 1
+    assert compiles(lambda: ix.extend(again, pool)) == 0  # new values, the same program
+    _, kept = ix.extend(values, pool, donate=True)
+    assert all(p.is_deleted() for p in jax.tree_util.tree_leaves(pool))
+    assert not any(p.is_deleted() for p in jax.tree_util.tree_leaves(kept))
+
+
 def test_a_donated_decoder_step_gives_up_every_pool(model):
     params, _ = model
     pools = empty_pools(CFG, SLOTS_POOL, like=params["embed"])

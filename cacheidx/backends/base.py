@@ -134,6 +134,14 @@ class Backend:
         """``gather`` of the slots and gate ``plan`` (from ``read_plan``) was made from."""
         return self.gather(pool, *plan)
 
+    def one_program(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+                    static_argnums: Sequence[int] = ()) -> Callable:
+        """``fn`` as an eager call of the index runs it: where the library compiles each eager
+        operation apart (JAX), one compiled program of the whole call, kept per structure,
+        shape and value of ``static_argnums``, given up ``donate_argnums``; ``fn`` itself
+        elsewhere (the library's eager operations are its fast path)."""
+        return fn
+
     def matmul(self, a: Any, b: Any) -> Any:
         """``a @ b`` for a matrix ``b`` ``[in, out]``, a model's linear layer; a backend may
         use a faster kernel for it."""

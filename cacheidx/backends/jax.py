@@ -4,6 +4,7 @@ even under drop), fill-with-zero gather, ``jax.jit`` with donation, placement on
 Nothing here reads a value on the host or depends on one, so every operation traces under
 ``jax.jit`` and ``lax.scan``, and one program serves every position, table and row map. Index
 tensors are whatever integer dtype they come in: int32 under JAX's default, int64 with x64.
+Eagerly, each of the index's calls is one such program (:meth:`JaxBackend.one_program`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class JaxBackend(Backend):
             return jnp.zeros((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype)
         # one gated load: an index past the pool reads the fill value
         return pool.at[jnp.where(ok, slots, n)].get(mode="fill", fill_value=0)
+
+    def one_program(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
+                    static_argnums: Sequence[int] = ()) -> Callable:
+        """``jax.jit(fn)``, made once: op by op, JAX would compile each of an index call's
+        operations apart for every new shape (dozens for an ``extend``), where one program of
+        the call compiles once and runs as one dispatch, as ``jax.numpy``'s own functions do."""
+        return _program(fn, tuple(donate_argnums), tuple(static_argnums))
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled", compiler: str | None = None) -> Callable:
@@ -208,3 +216,10 @@ def _donating_scatter() -> Callable:
     import jax
 
     return jax.jit(_scatter, donate_argnums=0)
+
+
+@cache
+def _program(fn: Callable, donate: tuple[int, ...], static: tuple[int, ...]) -> Callable:
+    import jax
+
+    return jax.jit(fn, donate_argnums=donate, static_argnums=static)

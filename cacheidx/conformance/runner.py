@@ -286,15 +286,15 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
 
 #: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine
 #: (docs/conformance.md), to start the longest first so that the last to start are short: JAX's
-#: eager laws compile every operation once per shape, torch's dynamic mode traces with
-#: symbolic shapes; another backend is taken to cost as torch does
+#: eager laws compile a program per call's structure and shape, torch's dynamic mode traces
+#: with symbolic shapes; another backend is taken to cost as torch does
 _COST = {
-    "torch": {"index": {"eager": 0.2, "compiled": 22, "dynamic": 31},
-              "shapes": {"compiled": 2, "dynamic": 16},
-              "model": {"eager": 1, "compiled": 6, "dynamic": 7},
-              "attention": {"eager": 0.5, "compiled": 2.5}},
-    "jax": {"index": {"eager": 24, "compiled": 6}, "shapes": {"eager": 3, "compiled": 1},
-            "model": {"eager": 12, "compiled": 3}, "attention": {"eager": 10, "compiled": 2}},
+    "torch": {"index": {"eager": 0.2, "compiled": 22, "dynamic": 30},
+              "shapes": {"compiled": 3, "dynamic": 15},
+              "model": {"eager": 0.3, "compiled": 8, "dynamic": 6.4},
+              "attention": {"eager": 0.3, "compiled": 3}},
+    "jax": {"index": {"eager": 8, "compiled": 3}, "shapes": {"eager": 1.3, "compiled": 0.5},
+            "model": {"eager": 11, "compiled": 2.3}, "attention": {"eager": 10.5, "compiled": 1.6}},
 }
 
 
