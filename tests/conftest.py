@@ -18,7 +18,7 @@ from cacheidx.backends.jax import JaxBackend  # noqa: E402  (the adapter imports
 # once or twice: the law suite's workers' XLA settings (no expensive optimisation; the same
 # laws hold under them), set before anything imports jax
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ.update(JaxBackend.checking_env(JaxBackend.__new__(JaxBackend), "cpu"))
+    os.environ.update(JaxBackend.checking_env("cpu"))
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings

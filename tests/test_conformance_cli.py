@@ -85,3 +85,24 @@ def test_one_worker_runs_the_jobs_of_its_backend_one_after_another():
     for pid, name in ran:
         by.setdefault(pid, set()).add(name)
     assert all(len(names) == 1 for names in by.values())
+
+
+def test_a_worker_finds_its_backends_devices_and_says_why_not():
+    """The runner asks each library's first worker for its devices (the main process never
+    imports the library); a backend that cannot start is a reason, not a crash."""
+    import queue
+
+    from cacheidx.conformance import runner
+
+    w = runner._Worker({"backend": "numpy", "device": "cpu"}, {}, queue.Queue())
+    try:
+        assert w.devices() == ["cpu"]
+        w.t = {"backend": "no-such-backend", "device": "cpu"}
+        with pytest.raises(RuntimeError, match="no-such-backend"):
+            w.devices()
+    finally:
+        w.close()
+    assert w.ended() == "" and w.proc.returncode == 0
+    found = runner.targets(["numpy"], found_by=lambda name: (_ for _ in ()).throw(
+        RuntimeError("no library")))
+    assert found == [{"backend": "numpy", "device": "-", "status": "broken: no library"}]

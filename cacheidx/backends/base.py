@@ -174,9 +174,11 @@ class Backend:
         suite feeds each step every law's cases), past the library's usual limits."""
         yield
 
-    def checking_env(self, device_label: str) -> dict[str, str]:
+    @classmethod
+    def checking_env(cls, device_label: str) -> dict[str, str]:
         """Environment for a process that runs the law suite on this backend: settings that
-        make compiling many small programs faster and never change a value."""
+        make compiling many small programs faster and never change a value. (A class
+        method: the runner reads it without importing the library.)"""
         return {}
 
     def version(self) -> str | None:

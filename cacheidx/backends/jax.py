@@ -84,7 +84,8 @@ class JaxBackend(Backend):
         jitted.traces = traces
         return jitted
 
-    def checking_env(self, device_label: str) -> dict[str, str]:
+    @classmethod
+    def checking_env(cls, device_label: str) -> dict[str, str]:
         if device_label != "cpu":
             return {}
         # the law suite compiles hundreds of tiny programs, eagerly one per operation and shape:

@@ -4,7 +4,8 @@ The work is cut into jobs, one per backend, device and law family (:func:`jobs`)
 the backend's modes one after another in one process. Jobs run in worker processes, as many at
 once as the machine has cores, the longest first; a worker runs jobs of one backend and device
 only (it imports its library once for all of them), so a backend's compiler caches and settings
-never leak into another's; ``workers=1`` runs them here, one after another.
+never leak into another's, and the first worker of each library finds its devices, so this
+process imports none (:func:`_scouts`); ``workers=1`` runs them here, one after another.
 """
 
 from __future__ import annotations
@@ -33,10 +34,24 @@ class DeviceMissing(ValueError):
     """``--device`` names a device no backend here has."""
 
 
-def targets(names: list[str] | None = None, device: str | None = None) -> list[dict]:
+def labels(name: str) -> list[str]:
+    """The devices of backend ``name`` here, in :mod:`cacheidx.devices`' spelling (every host
+    device is one ``cpu``)."""
+    backend = backends.get(name)
+    found: dict[str, Any] = {}
+    for d in backend.devices():
+        found.setdefault(backend.device_label(d), d)
+    return list(found)
+
+
+def targets(names: list[str] | None = None, device: str | None = None, *,
+            found_by: Any = None) -> list[dict]:
     """Every (backend, device) to run, with the reason where one cannot run. Raises
-    :class:`DeviceMissing` (listing what was found) when ``device`` names no device here."""
+    :class:`DeviceMissing` (listing what was found) when ``device`` names no device here.
+    ``found_by(name)``: a backend's devices (:func:`labels` here by default; raises where
+    the library breaks)."""
     want = devices.canonical(device) if device is not None else None
+    found_by = found_by or labels
     out, found = [], {}
     for name in names or backends.names():
         try:
@@ -48,21 +63,21 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
         if not ok:
             out.append({"backend": name, "device": want or "-", "status": f"skipped: {why}"})
             continue
-        backend = backends.get(name)
-        labels = {}
-        for d in backend.devices():
-            labels.setdefault(backend.device_label(d), d)  # every host device is one "cpu"
-        found[name] = list(labels)
-        if want is None and not any(label.startswith("cuda") for label in labels):
+        try:
+            here = found[name] = found_by(name)
+        except Exception as e:  # the library fails to start
+            out.append({"backend": name, "device": "-", "status": f"broken: {e}"})
+            continue
+        if want is None and not any(label.startswith("cuda") for label in here):
             if name in ("torch", "jax", "cupy"):
                 out.append({"backend": name, "device": "cuda", "status":
                             f"no device: no CUDA device visible to {name}"})
-        for label in labels:
+        for label in here:
             if want is None or label == want:
                 out.append({"backend": name, "device": label, "status": "run"})
-        if want is not None and want not in labels:
+        if want is not None and want not in here:
             out.append({"backend": name, "device": want,
-                        "status": f"no device: {name} has {', '.join(labels)}"})
+                        "status": f"no device: {name} has {', '.join(here)}"})
     if want is not None and not any(t["status"] == "run" for t in out):
         raise DeviceMissing(f"cacheidx.conformance: no device {device!r} here; found "
                             f"{devices.found(found)}")
@@ -72,7 +87,7 @@ def targets(names: list[str] | None = None, device: str | None = None) -> list[d
 def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], str | None]]:
     """The jobs of a target, one worker each: ``(modes, family)``, the modes run one after
     another in one process (so it imports its library once) over the laws of ``family`` (the
-    index's, the model's or the one across shapes; ``None``: all). Without ``modes``: every
+    index's, attention's or the model's; ``None``: all). Without ``modes``: every
     mode the backend has but ``automatic``, whose behaviour across shapes one law checks in the
     dynamic run (a whole run in it is ``--mode automatic``). A backend that compiles gets a job
     per family, so that the cores share the work evenly; the index's laws, the most, a job per
@@ -86,7 +101,7 @@ def jobs(target: dict, modes: list[str] | None = None) -> list[tuple[list[str], 
         return [(have, None)]
     first = have[:2] if len(have) > 1 and have[0] == "eager" else have[:1]
     index = [(first, "index"), *(([m], "index") for m in have[len(first):])]
-    return [*index, *((have, f) for f in ("attention", "model", "shapes"))]
+    return [*index, *((have, f) for f in ("attention", "model"))]
 
 
 def run_one(law: Any, case: Case) -> str | None:
@@ -145,7 +160,7 @@ def _spawn(name: str, device: str, options: dict, *, tuned: bool = True) -> subp
     # one thread a worker: the workers already fill the cores, and every tensor is tiny
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if tuned:
-        env.update(backends.get(name).checking_env(device))
+        env.update(backends._class(name).checking_env(device))
     return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -163,19 +178,42 @@ class _Worker:
 
     def __init__(self, t: dict, options: dict, inbox: queue.Queue, *, tuned: bool = True):
         self.t, self.tuned, self.job, self.began = t, tuned, None, 0.0
+        self.options, self.inbox = options, inbox
         self.proc = _spawn(t["backend"], t["device"], options, tuned=tuned)
         self.err: list[str] = []
         self.reported = 0
-        threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
+        threading.Thread(target=self._read, daemon=True).start()
         self._errors = threading.Thread(target=lambda: self.err.extend(self.proc.stderr),
                                         daemon=True)
         self._errors.start()
 
-    def _read(self, inbox: queue.Queue) -> None:
+    def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(REPORT):
-                inbox.put((self, line[len(REPORT):]))
-        inbox.put((self, None))
+                self.inbox.put((self, line[len(REPORT):]))
+        self.inbox.put((self, None))
+
+    def devices(self) -> list[str]:
+        """Its backend's devices (:func:`labels`), found in the worker, which has imported
+        its library by then: the main process never imports it. A worker that ends first
+        (a setting its library rejects) is started again without the settings and asked
+        again; raises with its standard error where that ends too."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(json.dumps({"devices": self.t["backend"]}) + "\n")
+            self.proc.stdin.flush()
+        _, line = self.inbox.get()
+        if line is not None:
+            reply = json.loads(line)
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+            return reply["devices"]
+        err = self.ended().strip()
+        if self.tuned:
+            again = _Worker(self.t, self.options, self.inbox, tuned=False)
+            self.__dict__.update(again.__dict__)  # the scout is now that worker
+            return self.devices()
+        raise RuntimeError(err.splitlines()[-1] if err else f"worker ended with "
+                           f"{self.proc.returncode}")
 
     def give(self, job: tuple, options: dict) -> None:
         self.job, self.began = job, time.perf_counter()
@@ -199,7 +237,16 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         torch_compiler: str | None = None, workers: int | None = None,
         progress: Any = sys.stderr) -> list[dict]:
     """The report: one entry per backend and device, each mode's laws in it."""
-    found = targets(names, device)
+    workers = workers or os.cpu_count() or 1
+    options = {"precision": precision, "torch_compiler": torch_compiler}
+    scouts = {} if workers == 1 else _scouts(names, options, workers)
+    try:
+        found = targets(names, device, found_by=lambda n: (scouts[n].devices() if n in scouts
+                                                          else labels(n)))
+    except BaseException:
+        for w in scouts.values():
+            w.close()
+        raise
     for t in found:  # a backend without the modes asked for is skipped, never a failure
         if t["status"] == "run" and not jobs(t, modes):
             has = ["eager", *backends._class(t["backend"]).modes]
@@ -207,8 +254,6 @@ def run(names: list[str] | None = None, device: str | None = None, *,
                            f"(it has {', '.join(has)})")
     todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
     todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
-    options = {"precision": precision, "torch_compiler": torch_compiler}
-    workers = workers or os.cpu_count() or 1
     results: dict[tuple[str, str], list[dict]] = {}
     say = (lambda msg: print(msg, file=progress, flush=True)) if progress else (lambda m: None)
 
@@ -225,7 +270,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         for t, job in todo:
             done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1], **options))
     else:
-        _parallel(todo, options, workers, done)
+        _parallel(todo, options, workers, done, idle=list(scouts.values()))
     report = []
     for t in found:
         if t["status"] != "run":
@@ -236,18 +281,54 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     return report
 
 
-def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any) -> None:
-    """Run ``todo`` (longest first) in at most ``workers`` processes at once, each next job the
-    longest left: a worker that finishes a job takes it where it is of its own backend and
-    device (its library already imported; a backend's compiler caches never meet another's),
-    else ends, and a new one starts for it. (Keeping a worker to its backend's jobs whatever
-    their length would leave one core with every torch job.)"""
+def _same(a: dict, b: dict) -> bool:
+    return (a["backend"], a["device"]) == (b["backend"], b["device"])
+
+
+def _scouts(names: list[str] | None, options: dict, workers: int) -> dict[str, _Worker]:
+    """Up to ``workers`` workers, one for each backend whose library the main process has not
+    imported (those that compile first), started at once to find its devices
+    (:meth:`_Worker.devices`) and then to run its jobs on the host: the libraries load side by
+    side, in the processes that use them."""
+    found = []
+    for name in names or backends.names():
+        try:
+            cls = backends._class(name)
+        except Exception:  # targets() reports it
+            continue
+        if cls.module is not None and cls.module not in sys.modules and cls.usable()[0]:
+            found.append((not cls.modes, name))
+    return {name: _Worker({"backend": name, "device": "cpu"}, options, queue.Queue())
+            for _, name in sorted(found)[:workers]}
+
+
+def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any, *,
+              idle: list[_Worker] = ()) -> None:
+    """Run ``todo`` (longest first) in at most ``workers`` processes at once: a worker that
+    finishes a job takes the longest left of its own backend and device (its library already
+    imported; a backend's compiler caches never meet another's), else ends, and a new one
+    starts for the longest left. ``idle``: workers started already (:func:`_scouts`), each
+    given the longest job of its own, or ended where it has none."""
     pending, inbox, live = list(todo), queue.Queue(), []
+
+    def give(w: _Worker) -> bool:
+        mine = next((i for i, (t, _) in enumerate(pending) if _same(t, w.t)), None)
+        if mine is None:
+            return False
+        w.t, job = pending.pop(mine)
+        w.give(job, options)
+        return True
+
+    for w in idle:
+        w.inbox = inbox
+        if len(live) < workers and give(w):
+            live.append(w)
+        else:
+            w.close()
 
     def start(w: _Worker | None = None) -> None:
         if w is not None:
-            if pending and pending[0][0] is w.t:
-                w.give(pending.pop(0)[1], options)
+            if give(w):
                 return
             w.close()
             live.remove(w)
@@ -289,11 +370,10 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
 #: eager laws compile a program per call's structure and shape, torch's dynamic mode traces
 #: with symbolic shapes; another backend is taken to cost as torch does
 _COST = {
-    "torch": {"index": {"eager": 0.2, "compiled": 22, "dynamic": 30},
-              "shapes": {"compiled": 3, "dynamic": 15},
+    "torch": {"index": {"eager": 0.2, "compiled": 25, "dynamic": 36},
               "model": {"eager": 0.3, "compiled": 8, "dynamic": 6.4},
               "attention": {"eager": 0.3, "compiled": 3}},
-    "jax": {"index": {"eager": 8, "compiled": 3}, "shapes": {"eager": 1.3, "compiled": 0.5},
+    "jax": {"index": {"eager": 9.3, "compiled": 3.5},
             "model": {"eager": 11, "compiled": 2.3}, "attention": {"eager": 10.5, "compiled": 1.6}},
 }
 

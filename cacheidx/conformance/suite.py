@@ -45,9 +45,9 @@ class Law:
     doc: str
     eager_only: bool = False
     compiled_only: bool = False
-    #: ``"index"`` (the index's own laws), ``"attention"`` (attend's), ``"model"`` (the
-    #: decoder's through it) or ``"shapes"`` (one step across shapes): a runner's jobs split
-    #: the laws by family
+    #: ``"index"`` (the index's own laws, the one across shapes among them), ``"attention"``
+    #: (attend's) or ``"model"`` (the decoder's through it): a runner's jobs split the laws by
+    #: family
     family: str = "index"
     #: the modes the law checks, ``None`` for all
     modes: tuple[str, ...] | None = None
