@@ -378,14 +378,7 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     xp = xp or array_namespace(x)
     c = config
     m = c.matmul_mantissa
-    mm = _products(product, m)
-    b, s = cos.shape[0], cos.shape[1]
-    h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
-    q = xp.reshape(mm(h, p["wq"]), (b, s, c.heads, c.head_dim))
-    k = xp.reshape(mm(h, p["wk"]), (b, s, c.kv_heads, c.head_dim))
-    v = xp.reshape(mm(h, p["wv"]), (b, s, c.kv_heads, c.head_dim))
-    q = rotate(q, cos, sin, xp=xp)
-    k = rotate(k, cos, sin, xp=xp)
+    q, k, v = _whole(index, x, reduce, _projected, c, product, xp)(p, x, cos, sin)
     kpool, vpool = pools
     if c.attention == "attend":
         o, kpool, vpool = index.attend(q, k, v, kpool, vpool, donate=donate)
@@ -398,11 +391,40 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
             o = attend(xp.astype(q, seen_k.dtype), seen_k, xp.astype(seen_v, seen_k.dtype),
                        index.mask(), xp=xp, mantissa=m)
             o = xp.astype(o, q.dtype)
-    reduce = reduce or _same
-    x = x + reduce(mm(xp.reshape(o, (b * s, c.heads * c.head_dim)), p["wo"]))
-    h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
-    x = x + reduce(mm(_silu(mm(h, p["w_gate"]), xp) * mm(h, p["w_up"]), p["w_down"]))
+    x = _whole(index, x, reduce, _mixed, c, product, xp, reduce)(p, x, o)
     return x, (kpool, vpool)
+
+
+def _projected(c, product, xp, p, x, cos, sin):
+    """A layer's queries, keys and values of ``x``, rotated."""
+    mm = _products(product, c.matmul_mantissa)
+    b, s = cos.shape[0], cos.shape[1]
+    h = rms_norm(x, p["attn_norm"], c.eps, xp=xp)
+    q = xp.reshape(mm(h, p["wq"]), (b, s, c.heads, c.head_dim))
+    k = xp.reshape(mm(h, p["wk"]), (b, s, c.kv_heads, c.head_dim))
+    v = xp.reshape(mm(h, p["wv"]), (b, s, c.kv_heads, c.head_dim))
+    return rotate(q, cos, sin, xp=xp), rotate(k, cos, sin, xp=xp), v
+
+
+def _mixed(c, product, xp, reduce, p, x, o):
+    """``x`` after a layer's attention output ``o`` and its MLP join the residual."""
+    mm = _products(product, c.matmul_mantissa)
+    reduce = reduce or _same
+    x = x + reduce(mm(xp.reshape(o, (x.shape[0], c.heads * c.head_dim)), p["wo"]))
+    h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
+    return x + reduce(mm(_silu(mm(h, p["w_gate"]), xp) * mm(h, p["w_up"]), p["w_down"]))
+
+
+def _whole(index, x, reduce, fn, *static):
+    """``fn`` with its leading arguments ``static`` bound: as the index's backend runs an eager
+    call (one program per shape on JAX, which would compile each operation apart:
+    :meth:`Arrays.one_program <cacheidx.backends.Arrays.one_program>`), ``fn`` itself where
+    ``x`` is traced, the index is none of the library's, or ``reduce`` sums across ranks."""
+    backend = getattr(index, "backend", None)
+    if backend is None or reduce is not None or backend.tracing(x):
+        return lambda *arrays: fn(*static, *arrays)
+    run = backend.one_program(fn, static_argnums=tuple(range(len(static))))
+    return lambda *arrays: run(*static, *arrays)
 
 
 def _same(x):
