@@ -501,11 +501,12 @@ class CacheIndex:
         ``args[donated]`` is given up to the program where ``args[static]`` (a flag) is true;
         ``args[static]`` is part of its key."""
         backend = self.backend
-        if any(backend.tracing(a) for a in (self.pos, *_arrays(args))):
-            return fn(self, *args)
         given = () if donated is None or not args[static] else (donated + 1,)
         kept = () if static is None else (static + 1,)
-        return backend.one_program(fn, donate_argnums=given, static_argnums=kept)(self, *args)
+        run = backend.one_program(fn, donate_argnums=given, static_argnums=kept)
+        if run is fn or any(backend.tracing(a) for a in (self.pos, *_arrays(args))):
+            return fn(self, *args)
+        return run(self, *args)
 
     def follow(self) -> Plan:
         """:attr:`plan`, its parts dropped first where the index's tensors no longer hold the
