@@ -96,10 +96,12 @@ def test_a_worker_finds_its_backends_devices_and_says_why_not():
 
     w = runner._Worker({"backend": "numpy", "device": "cpu"}, {}, queue.Queue())
     try:
-        assert w.devices() == ["cpu"]
+        w.ask()
+        assert w.answer() == ["cpu"]
         w.t = {"backend": "no-such-backend", "device": "cpu"}
+        w.ask()
         with pytest.raises(RuntimeError, match="no-such-backend"):
-            w.devices()
+            w.answer()
     finally:
         w.close()
     assert w.ended() == "" and w.proc.returncode == 0

@@ -50,6 +50,8 @@ class Backend:
     #: the ways ``jit`` compiles (its ``mode``): ``"compiled"``, the library's compiler with
     #: static shapes, and any others it has (torch: ``"dynamic"``, ``"automatic"``)
     modes: tuple[str, ...] = ()
+    #: whether the library computes on the host's CPU (its devices include ``cpu``)
+    host: bool = True
 
     def __init__(self, xp: Any | None = None):
         # resolved now, never lazily inside a traced step (a compiler would guard on it)

@@ -17,6 +17,7 @@ class CupyBackend(Backend):
     name = "cupy"
     module = "cupy"
     donates = True
+    host = False
 
     @classmethod
     def usable(cls) -> tuple[bool, str]:

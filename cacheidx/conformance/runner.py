@@ -178,7 +178,7 @@ class _Worker:
 
     def __init__(self, t: dict, options: dict, inbox: queue.Queue, *, tuned: bool = True):
         self.t, self.tuned, self.job, self.began = t, tuned, None, 0.0
-        self.options, self.inbox = options, inbox
+        self.inbox, self._lock = inbox, threading.Lock()
         self.proc = _spawn(t["backend"], t["device"], options, tuned=tuned)
         self.err: list[str] = []
         self.reported = 0
@@ -190,36 +190,44 @@ class _Worker:
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(REPORT):
-                self.inbox.put((self, line[len(REPORT):]))
-        self.inbox.put((self, None))
+                self._put(line[len(REPORT):])
+        self._put(None)
 
-    def devices(self) -> list[str]:
-        """Its backend's devices (:func:`labels`), found in the worker, which has imported
-        its library by then: the main process never imports it. A worker that ends first
-        (a setting its library rejects) is started again without the settings and asked
-        again; raises with its standard error where that ends too."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.write(json.dumps({"devices": self.t["backend"]}) + "\n")
-            self.proc.stdin.flush()
+    def _put(self, line: str | None) -> None:
+        with self._lock:
+            self.inbox.put((self, line))
+
+    def redirect(self, inbox: queue.Queue) -> None:
+        """Its reports go to ``inbox`` from now on, with those not yet read."""
+        with self._lock:
+            old, self.inbox = self.inbox, inbox
+            while not old.empty():
+                inbox.put(old.get())
+
+    def ask(self) -> None:
+        """Ask for its backend's devices (:func:`labels`), found in the worker, which imports
+        its library to answer: the main process never imports it."""
+        self._send(json.dumps({"devices": self.t["backend"]}))
+
+    def answer(self) -> list[str] | None:
+        """The answer to :meth:`ask`; ``None`` where the worker ended first (a setting its
+        library rejects, say). Raises where the library fails to start."""
         _, line = self.inbox.get()
-        if line is not None:
-            reply = json.loads(line)
-            if "error" in reply:
-                raise RuntimeError(reply["error"])
-            return reply["devices"]
-        err = self.ended().strip()
-        if self.tuned:
-            again = _Worker(self.t, self.options, self.inbox, tuned=False)
-            self.__dict__.update(again.__dict__)  # the scout is now that worker
-            return self.devices()
-        raise RuntimeError(err.splitlines()[-1] if err else f"worker ended with "
-                           f"{self.proc.returncode}")
+        if line is None:
+            return None
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply["devices"]
+
+    def _send(self, line: str) -> None:
+        with contextlib.suppress(OSError):  # it ended: its reader says so
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
 
     def give(self, job: tuple, options: dict) -> None:
         self.job, self.began = job, time.perf_counter()
-        with contextlib.suppress(OSError):  # it ended: its reader says so, naming the job
-            self.proc.stdin.write(_spec(self.t, job, options) + "\n")
-            self.proc.stdin.flush()
+        self._send(_spec(self.t, job, options))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -239,10 +247,28 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     """The report: one entry per backend and device, each mode's laws in it."""
     workers = workers or os.cpu_count() or 1
     options = {"precision": precision, "torch_compiler": torch_compiler}
-    scouts = {} if workers == 1 else _scouts(names, options, workers)
+    scouts = {} if workers == 1 else _scouts(names, options, workers, device, modes)
+
+    def found_by(name: str) -> list[str]:
+        if name not in scouts:
+            return labels(name)
+        w = scouts[name]
+        got = w.answer()
+        if got is None and w.tuned:  # ended before it answered: again, without the settings
+            job = w.job
+            w = scouts[name] = _Worker(w.t, options, w.inbox, tuned=False)
+            w.ask()
+            if job is not None:
+                w.give(job, options)
+            got = w.answer()
+        if got is None:
+            err = w.ended().strip()
+            raise RuntimeError(err.splitlines()[-1] if err else
+                               f"its worker ended with {w.proc.returncode}")
+        return got
+
     try:
-        found = targets(names, device, found_by=lambda n: (scouts[n].devices() if n in scouts
-                                                          else labels(n)))
+        found = targets(names, device, found_by=found_by)
     except BaseException:
         for w in scouts.values():
             w.close()
@@ -254,6 +280,10 @@ def run(names: list[str] | None = None, device: str | None = None, *,
                            f"(it has {', '.join(has)})")
     todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
     todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
+    for w in scouts.values():  # a scout's first job runs already
+        ran = next((i for i, (t, job) in enumerate(todo) if _same(t, w.t) and job == w.job), None)
+        if ran is not None:
+            w.t = todo.pop(ran)[0]
     results: dict[tuple[str, str], list[dict]] = {}
     say = (lambda msg: print(msg, file=progress, flush=True)) if progress else (lambda m: None)
 
@@ -285,11 +315,14 @@ def _same(a: dict, b: dict) -> bool:
     return (a["backend"], a["device"]) == (b["backend"], b["device"])
 
 
-def _scouts(names: list[str] | None, options: dict, workers: int) -> dict[str, _Worker]:
+def _scouts(names: list[str] | None, options: dict, workers: int, device: str | None,
+            modes: list[str] | None) -> dict[str, _Worker]:
     """Up to ``workers`` workers, one for each backend whose library the main process has not
-    imported (those that compile first), started at once to find its devices
-    (:meth:`_Worker.devices`) and then to run its jobs on the host: the libraries load side by
-    side, in the processes that use them."""
+    imported (those that compile first), started at once: each is asked for its backend's
+    devices (:meth:`_Worker.ask`), and, where the run takes the host and the library computes
+    there (:attr:`Backend.host <cacheidx.backends.Backend.host>`), given its longest job on
+    it before the answer comes. The libraries load side by side, in the processes that use
+    them, and none waits for another's devices."""
     found = []
     for name in names or backends.names():
         try:
@@ -297,9 +330,15 @@ def _scouts(names: list[str] | None, options: dict, workers: int) -> dict[str, _
         except Exception:  # targets() reports it
             continue
         if cls.module is not None and cls.module not in sys.modules and cls.usable()[0]:
-            found.append((not cls.modes, name))
-    return {name: _Worker({"backend": name, "device": "cpu"}, options, queue.Queue())
-            for _, name in sorted(found)[:workers]}
+            found.append((not cls.modes, name, cls))
+    out = {}
+    for _, name, cls in sorted(found, key=lambda f: f[:2])[:workers]:
+        t = {"backend": name, "device": "cpu"}
+        w = out[name] = _Worker(t, options, queue.Queue())
+        w.ask()
+        if cls.host and device in (None, "cpu") and (mine := jobs(t, modes)):
+            w.give(max(mine, key=lambda job: _weight(name, *job)), options)
+    return out
 
 
 def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any, *,
@@ -307,8 +346,8 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
     """Run ``todo`` (longest first) in at most ``workers`` processes at once: a worker that
     finishes a job takes the longest left of its own backend and device (its library already
     imported; a backend's compiler caches never meet another's), else ends, and a new one
-    starts for the longest left. ``idle``: workers started already (:func:`_scouts`), each
-    given the longest job of its own, or ended where it has none."""
+    starts for the longest left. ``idle``: workers started already (:func:`_scouts`): each
+    runs its job, or is given the longest of its own, or ends where it has none."""
     pending, inbox, live = list(todo), queue.Queue(), []
 
     def give(w: _Worker) -> bool:
@@ -320,8 +359,8 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
         return True
 
     for w in idle:
-        w.inbox = inbox
-        if len(live) < workers and give(w):
+        w.redirect(inbox)
+        if w.job is not None or len(live) < workers and give(w):
             live.append(w)
         else:
             w.close()
