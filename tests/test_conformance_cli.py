@@ -108,3 +108,31 @@ def test_a_worker_finds_its_backends_devices_and_says_why_not():
     found = runner.targets(["numpy"], found_by=lambda name: (_ for _ in ()).throw(
         RuntimeError("no library")))
     assert found == [{"backend": "numpy", "device": "-", "status": "broken: no library"}]
+
+
+def test_a_first_worker_that_ends_before_it_answers_is_started_again_without_settings():
+    """A library that rejects a checking setting ends its first worker before it answers:
+    the runner starts it again without the settings, with the job it had, and the run
+    passes."""
+    import subprocess
+    import sys
+
+    from cacheidx.conformance import runner
+
+    real = runner._spawn
+    started = []
+
+    def spawn(name, device, options, *, tuned=True):
+        started.append(tuned)
+        if tuned:  # as a library refusing a setting: gone before a word
+            return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        return real(name, device, options, tuned=tuned)
+
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(runner, "_spawn", spawn)
+        m.delitem(sys.modules, "array_api_strict", raising=False)  # so it gets a first worker
+        report = runner.run(["strict"], modes=["eager"], workers=2, progress=None)
+    assert started[:2] == [True, False]
+    assert [e["status"] for e in report] == ["pass"]
