@@ -652,8 +652,7 @@ def law_a_window_wider_than_every_position_is_no_window(case: Case) -> None:
     plain = build.rows(4, [1, 2, 3, 4], **on(case))
     v, before = ramp(4, 4), stored(16, {s: float(s) for s in range(16)})
     want_seen, _, want_mask, _ = case.call(observe, plain, case.array(v), case.array(before))
-    for w in (2**30, case.int_max):
-        seen, _, got_mask, _ = case.call(observe, plain.window(w), case.array(v),
-                                         case.array(before))
-        same(case, got_mask, case.numpy(want_mask), f"mask, w={w}")
-        same(case, seen, case.numpy(want_seen), f"seen, w={w}")
+    w = case.int_max  # the widest the dtype holds: a reach computed as t - w would wrap
+    seen, _, got_mask, _ = case.call(observe, plain.window(w), case.array(v), case.array(before))
+    same(case, got_mask, case.numpy(want_mask), f"mask, w={w}")
+    same(case, seen, case.numpy(want_seen), f"seen, w={w}")
