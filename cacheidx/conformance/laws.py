@@ -118,8 +118,9 @@ def law_drop_means_drop(case: Case) -> None:
     want_seen = np.zeros((1, 5, 2), np.float32)
     want_seen[0, 4] = v[0, 4]
     same(case, seen, want_seen, "seen")
-    ix = index(case, [[0, 1, 2]], [[-1, 4, huge]])
-    _, pool, _, _ = case.call(observe, ix, case.array(ramp(1, 3)), case.array(before))
+    # the shapes of the first case (one program for both), its one kept store sent past too
+    ix = index(case, [[0, 1, 2, 3, 4]], [[-1, 4, huge, -7, 4]])
+    _, pool, _, _ = case.call(observe, ix, case.array(v), case.array(before))
     same(case, pool, before, "pool with every store dropped")
 
 
@@ -175,9 +176,13 @@ def law_unseen_columns_are_zero(case: Case) -> None:
     want[0, 3], want[0, 4:] = 3.0, ramp(1, 2)[0]
     same(case, seen, want, "seen: columns below the window")
 
-    ix = index(case, [[1, 4]], [[0, 1, 2, 3, 4, 5]]).window(1)
-    seen, *_ = case.call(observe, ix, case.array(ramp(1, 2)), case.array(stored(6, {})))
+    # the window and shapes of the last case (one program for both): column 2 lies between
+    # the two tokens' windows, 0 and 3 inside them
+    ix = index(case, [[1, 4]], [[0, 1, 2, 3, 4, 5]]).window(2)
+    seen, *_ = case.call(observe, ix, case.array(ramp(1, 2)),
+                         case.array(stored(6, {0: 5.0, 3: 6.0})))
     want = np.zeros((1, 6, 2), np.float32)
+    want[0, 0], want[0, 3] = 5.0, 6.0
     want[0, 1], want[0, 4] = ramp(1, 2)[0]
     same(case, seen, want, "seen: a gap between two tokens' windows")
 
