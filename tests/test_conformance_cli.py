@@ -110,10 +110,12 @@ def test_a_worker_finds_its_backends_devices_and_says_why_not():
     assert found == [{"backend": "numpy", "device": "-", "status": "broken: no library"}]
 
 
-def test_a_first_worker_that_ends_before_it_answers_is_started_again_without_settings():
-    """A library that rejects a checking setting ends its first worker before it answers:
-    the runner starts it again without the settings, with the job it had, and the run
-    passes."""
+@pytest.mark.parametrize("name", ["strict", "numpy"], ids=["first worker", "later worker"])
+def test_a_worker_that_ends_before_it_answers_is_started_again_without_settings(name):
+    """A library that rejects a checking setting ends its worker before it answers: the
+    runner starts it again without the settings, with the job it had, and the run passes;
+    so for a library's first worker (asked for its devices: strict, not imported here) and
+    for a worker started for a job (numpy, imported)."""
     import subprocess
     import sys
 
@@ -133,6 +135,6 @@ def test_a_first_worker_that_ends_before_it_answers_is_started_again_without_set
     with pytest.MonkeyPatch().context() as m:
         m.setattr(runner, "_spawn", spawn)
         m.delitem(sys.modules, "array_api_strict", raising=False)  # so it gets a first worker
-        report = runner.run(["strict"], modes=["eager"], workers=2, progress=None)
+        report = runner.run([name], modes=["eager"], workers=2, progress=None)
     assert started[:2] == [True, False]
     assert [e["status"] for e in report] == ["pass"]

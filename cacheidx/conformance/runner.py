@@ -229,6 +229,17 @@ class _Worker:
         self.job, self.began = job, time.perf_counter()
         self._send(_spec(self.t, job, options))
 
+    def restarted(self, options: dict, *, ask: bool = False) -> _Worker:
+        """A worker in its place without the checking settings (this one ended before it
+        answered: a setting its library rejects, say), into the same inbox, asked for its
+        devices again where ``ask``, then given its job again."""
+        again = _Worker(self.t, options, self.inbox, tuned=False)
+        if ask:
+            again.ask()  # first: the answer is the first line it writes
+        if self.job is not None:
+            again.give(self.job, options)
+        return again
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
@@ -255,11 +266,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         w = scouts[name]
         got = w.answer()
         if got is None and w.tuned:  # ended before it answered: again, without the settings
-            job = w.job
-            w = scouts[name] = _Worker(w.t, options, w.inbox, tuned=False)
-            w.ask()
-            if job is not None:
-                w.give(job, options)
+            w = scouts[name] = w.restarted(options, ask=True)
             got = w.answer()
         if got is None:
             err = w.ended().strip()
@@ -396,9 +403,7 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
             live.remove(w)
         if w.job is not None:  # in the middle of a job
             if w.tuned and not w.reported:  # rejected a setting before it began: again
-                again = _Worker(w.t, options, inbox, tuned=False)
-                again.give(w.job, options)
-                live.append(again)
+                live.append(w.restarted(options))
                 continue
             finish(w, "", err, w.proc.returncode)
         start()
