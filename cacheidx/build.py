@@ -172,11 +172,11 @@ def _left_padded(lens: list[int], seq: int) -> np.ndarray:
 def _converter(xp: Any, device: Any):
     """Build tensors in ``xp`` (a namespace or backend name; the default backend without one)
     with its default integer dtype (int32 for JAX without x64)."""
-    ns = backends.get(xp).xp
-    info = getattr(ns, "__array_namespace_info__", None)
-    dtype = info().default_dtypes(device=device)["integral"] if info else ns.int64
+    backend = backends.get(xp)
+    info = getattr(backend.xp, "__array_namespace_info__", None)
+    dtype = info().default_dtypes(device=device)["integral"] if info else backend.xp.int64
 
     def to(a: np.ndarray) -> Any:
-        return ns.asarray(a, dtype=dtype, device=device)
+        return backend.from_host(a, dtype, device)
 
     return to

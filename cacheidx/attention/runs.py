@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -236,12 +237,10 @@ def _own(index: Any, table: np.ndarray, some: np.ndarray, whole: np.ndarray | No
     for i, (b, c) in enumerate(zip(lanes, cols)):
         slots[i, :c.size] = table[b, c]
         mask[i, :, :c.size] = whole[b][:, c]
-    xp = index.xp
-    where = {} if index.device is None else {"device": index.device}
-    at = xp.asarray(np.reshape(np.maximum(slots, 0), (-1,)), **where)
-    ok = xp.asarray(np.reshape(slots >= 0, (-1,)), **where)
-    read = index.backend.read_plan(at, ok, n)
-    return _Own(tuple(lanes), width, read, xp.asarray(mask, **where))
+    put = functools.partial(index.backend.from_host, device=index.device)
+    at = put(np.reshape(np.maximum(slots, 0), (-1,)))
+    read = index.backend.read_plan(at, put(np.reshape(slots >= 0, (-1,))), n)
+    return _Own(tuple(lanes), width, read, put(mask))
 
 
 def sharing(index: Any, n: int, heads: int, tile: int | None = None,
@@ -263,8 +262,6 @@ def _gather(index: Any, pieces: list[_Piece], short: set[int], n: int, most: int
     chosen = [p for i, p in enumerate(pieces[:-1]) if i in short and p.full]
     if len(chosen) < 2:
         return pieces
-    xp = index.xp
-    where = {} if index.device is None else {"device": index.device}
     tiles, now, width = [], [], 0
     for p in chosen:
         if now and width + p.c1 - p.c0 > most:
@@ -276,8 +273,8 @@ def _gather(index: Any, pieces: list[_Piece], short: set[int], n: int, most: int
     gathered = []
     for tile in tiles:
         slots = np.concatenate([np.arange(p.s0, p.s0 + p.c1 - p.c0) for p in tile])
-        at = xp.asarray(slots, **where)
-        read = index.backend.read_plan(at, xp.ones(at.shape, dtype=xp.bool, **where), n)
+        put = functools.partial(index.backend.from_host, device=index.device)
+        read = index.backend.read_plan(put(slots), put(np.ones(slots.shape, dtype=bool)), n)
         gathered.append(_Gathered(int(slots.size), read))
     taken = {id(p) for p in chosen}
     return [*gathered, *(p for p in pieces if id(p) not in taken)]

@@ -227,7 +227,12 @@ class Backend:
         place, where the library writes in place; otherwise a new array."""
         if self.same_library(values):
             return values
-        return self.xp.asarray(values, dtype=buffer.dtype, device=self.device(buffer))
+        return self.from_host(values, buffer.dtype, self.device(buffer))
+
+    def from_host(self, a: Any, dtype: Any = None, device: Any = None) -> Any:
+        """``a`` (a NumPy array, or anything ``asarray`` takes) as an array of this library,
+        in ``dtype`` (the library's choice for ``a`` without one) on ``device``."""
+        return self.xp.asarray(a, dtype=dtype, device=device)
 
     def to_device(self, x: Any, device: Any) -> Any:
         return compat.to_device(x, device)

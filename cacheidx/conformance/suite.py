@@ -172,7 +172,7 @@ class Case:
             else:
                 dtype = self.xp.float32
                 a = a.astype(np.float32)
-        return self.xp.asarray(a, dtype=dtype, device=self.device)
+        return self.backend.from_host(a, dtype, self.device)
 
     def numpy(self, x: Any) -> np.ndarray:
         """``x`` back on the host as NumPy, for comparing with plain expectations."""

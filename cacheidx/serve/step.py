@@ -233,11 +233,11 @@ class Step:
         if not self.compiled:
             if device is not None:
                 return device
-            return self.xp.asarray(host, dtype=self.int, device=self.device)
+            return self.backend.from_host(host, self.int, self.device)
         key = (name, host.shape)
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = self.backend.fix(self.xp.asarray(host, dtype=self.int, device=self.device))
+            buffer = self.backend.fix(self.backend.from_host(host, self.int, self.device))
             self._buffers[key] = buffer
             if device is None:
                 return buffer
