@@ -375,7 +375,9 @@ def layer(p, config: Config, x, cos, sin, index, pools, *, donate=False, xp=None
     ``(x, (k_pool, v_pool))``. ``reduce``, when given, is applied to the attention's and the
     MLP's output projections before each joins the residual: under tensor parallelism it sums
     every rank's part (``cacheidx.parallel``)."""
-    xp = xp or array_namespace(x)
+    # the index's namespace where it has one: array_namespace, traced by torch.compile, costs
+    # more than the rest of a layer's trace (it walks sys.modules)
+    xp = xp or getattr(index, "xp", None) or array_namespace(x)
     c = config
     m = c.matmul_mantissa
     q, k, v = _whole(index, x, reduce, _projected, c, product, xp)(p, x, cos, sin)
