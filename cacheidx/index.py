@@ -304,7 +304,7 @@ class CacheIndex:
     @property
     def valid_positions(self) -> Any:
         """Positions with padding at -1, for reductions over a lane."""
-        return self.xp.where(self.valid, self.pos, self.xp.asarray(-1, dtype=self.pos.dtype))
+        return self.xp.where(self.valid, self.pos, -1)
 
     @property
     def _last(self) -> Any:
@@ -347,17 +347,18 @@ class CacheIndex:
             return table
         xp = self.xp
         rows = int(table.shape[0])
-        safe = xp.where(inside(self.row, rows), self.row, xp.zeros_like(self.row))
-        return xp.take(table, safe, axis=0)
+        safe = xp.where(inside(self.row, rows), self.row, 0)
+        return self.backend.take(table, safe)
 
     def lane_lookup(self, table: Any, cols: Any, ok: Any) -> Any:
         """``table[b, cols[b, ...]]`` where ``ok``, -1 elsewhere (lane-wise gather, flat)."""
         xp = self.xp
         width = int(table.shape[1])
         lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (cols.ndim - 1))
-        flat = lane * width + xp.where(ok, cols, xp.zeros_like(cols))
-        got = xp.reshape(xp.take(xp.reshape(table, (-1,)), xp.reshape(flat, (-1,))), cols.shape)
-        return xp.where(ok, got, xp.asarray(-1, dtype=got.dtype))
+        flat = lane * width + xp.where(ok, cols, 0)
+        got = self.backend.take(xp.reshape(table, (-1,)), xp.reshape(flat, (-1,)))
+        got = xp.reshape(got, cols.shape)
+        return xp.where(ok, got, -1)
 
     # -- what each token sees: mask -----------------------------------------------------------
     def mask(self) -> Any:
@@ -550,8 +551,7 @@ class CacheIndex:
         draft names; padding and a token past the last column store nothing (-1)."""
         xp = self.xp
         if self.draft_slots is not None:
-            return xp.where(self.valid, self.draft_slots,
-                            xp.asarray(-1, dtype=self.draft_slots.dtype))
+            return xp.where(self.valid, self.draft_slots, -1)
         m, table = self.block, self.lane_table
         col = block_of(self.pos, m)
         ok = self.valid & (col < int(table.shape[1]))
@@ -626,14 +626,14 @@ class CacheIndex:
         keys = xp.sort(xp.reshape(t + lane, (-1,)))
         wanted = stand + lane
         at = _clamp(xp, xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
-        found = xp.reshape(xp.take(keys, at), wanted.shape) - lane
+        found = xp.reshape(self.backend.take(keys, at), wanted.shape) - lane
         return near | ((found >= stand) & (found <= top) & (found - stand < w))
 
     def zero_where(self, values: Any, ok: Any) -> Any:
         """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""
         xp = self.xp
         gate = xp.reshape(ok, (*ok.shape, *(1,) * (values.ndim - 2)))
-        return xp.where(gate, values, xp.zeros((), dtype=values.dtype))
+        return xp.where(gate, values, 0)
 
     def seen_whole(self, values: Any) -> Any:
         """On a whole index the columns are the lane's tokens (or the tokens closing its
@@ -652,7 +652,7 @@ class CacheIndex:
             cols, self.block)
         src = xp.broadcast_to(src, ok.shape)
         lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (ok.ndim - 1))
-        flat = xp.reshape(lane * self.seq + xp.where(ok, src, xp.zeros_like(src)), (-1,))
+        flat = xp.reshape(lane * self.seq + xp.where(ok, src, 0), (-1,))
         rows = xp.reshape(values, (-1, *values.shape[2:]))
         got = self.backend.gather(rows, flat, xp.reshape(ok, (-1,)))
         return xp.reshape(got, (*ok.shape, *values.shape[2:]))

@@ -96,13 +96,13 @@ class Backend:
         if n == 0 or slots.shape[0] == 0:
             return pool
         every_slot = xp.arange(n, dtype=slots.dtype, device=compat.device(pool))
-        target = xp.where(inside(slots, n), slots, xp.asarray(-1, dtype=slots.dtype))
+        target = xp.where(inside(slots, n), slots, -1)
         order = xp.argsort(target, stable=True)
-        ranked = xp.take(target, order)
+        ranked = self.take(target, order)
         last = xp.searchsorted(ranked, every_slot, side="right") - 1
         last = xp.clip(last, 0, None)
-        hit = xp.take(ranked, last) == every_slot
-        stored = xp.take(rows, xp.take(order, last), axis=0)
+        hit = self.take(ranked, last) == every_slot
+        stored = self.take(rows, self.take(order, last))
         return xp.where(expand(xp, hit, pool.ndim), stored, pool)
 
     def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
@@ -112,9 +112,9 @@ class Backend:
         if pool.shape[0] == 0:
             return xp.zeros((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype,
                             device=compat.device(pool))
-        safe = xp.where(ok, slots, xp.zeros_like(slots))
-        got = xp.take(pool, safe, axis=0)
-        return xp.where(expand(xp, ok, pool.ndim), got, xp.zeros((), dtype=pool.dtype))
+        safe = xp.where(ok, slots, 0)
+        got = self.take(pool, safe)
+        return xp.where(expand(xp, ok, pool.ndim), got, 0)
 
     # -- plans: what an index keeps for every layer's pool of the same size ----------------
     def store_plan(self, slots: Any, n: int) -> Any:
@@ -229,6 +229,12 @@ class Backend:
             return values
         return self.from_host(values, buffer.dtype, self.device(buffer))
 
+    def take(self, x: Any, at: Any, axis: int = 0) -> Any:
+        """``xp.take(x, at, axis=axis)`` where every index is inside ``[0, x.shape[axis])``, as
+        the core's are (it clamps or masks each first), so a library's handling of negative
+        indices, which the standard leaves unspecified, has nothing to do."""
+        return self.xp.take(x, at, axis=axis)
+
     def from_host(self, a: Any, dtype: Any = None, device: Any = None) -> Any:
         """``a`` (a NumPy array, or anything ``asarray`` takes) as an array of this library,
         in ``dtype`` (the library's choice for ``a`` without one) on ``device``."""
@@ -287,19 +293,22 @@ class Backend:
         return f"<cacheidx backend {self.name}>"
 
 
-def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any) -> tuple[Any, Any]:
+def redirect_dropped(xp: Any, pool: Any, slots: Any, rows: Any, *,
+                     take: Any = None) -> tuple[Any, Any]:
     """Targets all inside the pool, and rows, whose plain indexed store equals a store with drop.
 
     Libraries whose indexed store wraps ``-1`` or raises on an outside index (torch, CuPy) get
     targets they cannot misread. A dropped row is sent to the slot of the first kept row and
     carries that row's values, so it repeats a store that happens anyway; with no kept row it
     rewrites slot 0 with what slot 0 holds. Sending it to slot 0 with its own values would
-    clobber a real write there. Static shapes: no boolean indexing, no host sync.
+    clobber a real write there. Static shapes: no boolean indexing, no host sync. ``take``:
+    the library's take of indices inside the array (:meth:`Backend.take`), ``xp.take`` without.
     """
+    take = take or (lambda x, at: xp.take(x, at, axis=0))
     keep = inside(slots, pool.shape[0])
     first = xp.reshape(xp.argmax(xp.astype(keep, xp.int8)), (1,))
     some = xp.any(keep)
-    anchor_slot = xp.where(some, xp.take(slots, first), xp.zeros_like(first))
-    anchor_row = xp.where(some, xp.take(rows, first, axis=0), pool[0:1, ...])
+    anchor_slot = xp.where(some, take(slots, first), 0)
+    anchor_row = xp.where(some, take(rows, first), pool[0:1, ...])
     target = xp.where(keep, slots, anchor_slot)
     return target, xp.where(expand(xp, keep, rows.ndim), rows, anchor_row)
