@@ -138,3 +138,41 @@ def test_a_worker_that_ends_before_it_answers_is_started_again_without_settings(
         report = runner.run([name], modes=["eager"], workers=2, progress=None)
     assert started[:2] == [True, False]
     assert [e["status"] for e in report] == ["pass"]
+
+
+def test_the_longest_job_left_starts_whenever_a_worker_frees():
+    """Whenever a worker frees, the longest job left starts (the jobs come longest first), in
+    a free worker of its backend where there is one, else in a new one; a free worker none of
+    whose jobs are left ends."""
+    from cacheidx.conformance import runner
+
+    made, started = [], []
+
+    class Worker:  # a worker whose every job reports at once
+        def __init__(self, t, options, inbox, *, tuned=True):
+            self.t, self.inbox, self.tuned = t, inbox, tuned
+            self.job, self.reported, self.began, self.closed = None, 0, 0.0, False
+            made.append(self)
+
+        def give(self, job, options):
+            self.job = job
+            started.append((job[1], made.index(self)))
+            self.inbox.put((self, json.dumps({"backend": self.t["backend"], "modes": {}})))
+
+        def close(self):
+            self.closed = True
+
+    def on(name):
+        return {"backend": name, "device": "cpu"}
+
+    todo = [(on("torch"), (["compiled"], "longest")), (on("jax"), (["eager"], "second")),
+            (on("jax"), (["compiled"], "third")), (on("torch"), (["eager"], "last"))]
+    finished = []
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(runner, "_Worker", Worker)
+        runner._parallel(todo, {}, 2, lambda t, job, report: finished.append(job[1]))
+    # the torch worker frees first: the third job, JAX's, starts in a new worker (JAX's first
+    # is busy), and the torch worker waits for the last, torch's, which it takes next
+    assert started == [("longest", 0), ("second", 1), ("third", 2), ("last", 0)]
+    assert sorted(finished) == sorted(j[1] for _, j in todo)
+    assert [w.closed for w in made] == [True, True, True]

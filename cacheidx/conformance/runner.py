@@ -258,7 +258,8 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     """The report: one entry per backend and device, each mode's laws in it."""
     workers = workers or os.cpu_count() or 1
     options = {"precision": precision, "torch_compiler": torch_compiler}
-    scouts = {} if workers == 1 else _scouts(names, options, workers, device, modes)
+    scouts, started = ({}, []) if workers == 1 else _scouts(names, options, workers, device,
+                                                             modes)
 
     def found_by(name: str) -> list[str]:
         if name not in scouts:
@@ -266,7 +267,8 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         w = scouts[name]
         got = w.answer()
         if got is None and w.tuned:  # ended before it answered: again, without the settings
-            w = scouts[name] = w.restarted(options, ask=True)
+            old, w = w, w.restarted(options, ask=True)
+            scouts[name], started[started.index(old)] = w, w
             got = w.answer()
         if got is None:
             err = w.ended().strip()
@@ -277,7 +279,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
     try:
         found = targets(names, device, found_by=found_by)
     except BaseException:
-        for w in scouts.values():
+        for w in started:
             w.close()
         raise
     for t in found:  # a backend without the modes asked for is skipped, never a failure
@@ -287,7 +289,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
                            f"(it has {', '.join(has)})")
     todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
     todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
-    for w in scouts.values():  # a scout's first job runs already
+    for w in started:  # the first jobs run already
         ran = next((i for i, (t, job) in enumerate(todo) if _same(t, w.t) and job == w.job), None)
         if ran is not None:
             w.t = todo.pop(ran)[0]
@@ -307,7 +309,7 @@ def run(names: list[str] | None = None, device: str | None = None, *,
         for t, job in todo:
             done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1], **options))
     else:
-        _parallel(todo, options, workers, done, idle=list(scouts.values()))
+        _parallel(todo, options, workers, done, idle=started)
     report = []
     for t in found:
         if t["status"] != "run":
@@ -323,13 +325,15 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _scouts(names: list[str] | None, options: dict, workers: int, device: str | None,
-            modes: list[str] | None) -> dict[str, _Worker]:
-    """Up to ``workers`` workers, one for each backend whose library the main process has not
-    imported (those that compile first), started at once: each is asked for its backend's
-    devices (:meth:`_Worker.ask`), and, where the run takes the host and the library computes
-    there (:attr:`Backend.host <cacheidx.backends.Backend.host>`), given its longest job on
-    it before the answer comes. The libraries load side by side, in the processes that use
-    them, and none waits for another's devices."""
+            modes: list[str] | None) -> tuple[dict[str, _Worker], list[_Worker]]:
+    """The first workers, started at once: one for each backend whose library the main process
+    has not imported (those that compile first), asked for its backend's devices
+    (:meth:`_Worker.ask`), and, where the run takes the host, the ``workers`` longest of those
+    backends' jobs on it (where the library computes there: :attr:`Backend.host
+    <cacheidx.backends.Backend.host>`), each given to its backend's first worker, or to one more
+    of that backend, before any answer comes. The libraries load side by side, in the processes
+    that use them; none waits for another's devices, and the longest jobs start first whatever
+    their backend. Returns the first worker of each backend, and every worker started."""
     found = []
     for name in names or backends.names():
         try:
@@ -338,51 +342,48 @@ def _scouts(names: list[str] | None, options: dict, workers: int, device: str | 
             continue
         if cls.module is not None and cls.module not in sys.modules and cls.usable()[0]:
             found.append((not cls.modes, name, cls))
-    out = {}
+    first, host = {}, []
     for _, name, cls in sorted(found, key=lambda f: f[:2])[:workers]:
         t = {"backend": name, "device": "cpu"}
-        w = out[name] = _Worker(t, options, queue.Queue())
+        w = first[name] = _Worker(t, options, queue.Queue())
         w.ask()
-        if cls.host and device in (None, "cpu") and (mine := jobs(t, modes)):
-            w.give(max(mine, key=lambda job: _weight(name, *job)), options)
-    return out
+        if cls.host and device in (None, "cpu"):
+            host += [(t, job) for job in jobs(t, modes)]
+    started = list(first.values())
+    for t, job in sorted(host, key=lambda tj: _weight(tj[0]["backend"], *tj[1]),
+                         reverse=True)[:workers]:
+        w = first[t["backend"]]
+        if w.job is not None:
+            w = _Worker(t, options, queue.Queue())
+            started.append(w)
+        w.give(job, options)
+    return first, started
 
 
 def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any, *,
               idle: list[_Worker] = ()) -> None:
-    """Run ``todo`` (longest first) in at most ``workers`` processes at once: a worker that
-    finishes a job takes the longest left of its own backend and device (its library already
-    imported; a backend's compiler caches never meet another's), else ends, and a new one
-    starts for the longest left. ``idle``: workers started already (:func:`_scouts`): each
-    runs its job, or is given the longest of its own, or ends where it has none."""
-    pending, inbox, live = list(todo), queue.Queue(), []
+    """Run ``todo`` (longest first) in at most ``workers`` busy processes at once: whenever one
+    frees, the longest job left starts (the last to start are short), in a free worker of its
+    backend and device where there is one (its library imported already; a backend's compiler
+    caches never meet another's), else in a new one; a free worker none of whose jobs are left
+    ends. ``idle``: workers started already (:func:`_scouts`), each running its job or free."""
+    pending, inbox = list(todo), queue.Queue()
+    busy, free = [], []
 
-    def give(w: _Worker) -> bool:
-        mine = next((i for i, (t, _) in enumerate(pending) if _same(t, w.t)), None)
-        if mine is None:
-            return False
-        w.t, job = pending.pop(mine)
-        w.give(job, options)
-        return True
-
-    for w in idle:
-        w.redirect(inbox)
-        if w.job is not None or len(live) < workers and give(w):
-            live.append(w)
-        else:
-            w.close()
-
-    def start(w: _Worker | None = None) -> None:
-        if w is not None:
-            if give(w):
-                return
-            w.close()
-            live.remove(w)
-        while pending and len(live) < workers:
+    def fill() -> None:
+        while pending and len(busy) < workers:
             t, job = pending.pop(0)
-            nw = _Worker(t, options, inbox)
-            nw.give(job, options)
-            live.append(nw)
+            w = next((w for w in free if _same(w.t, t)), None)
+            if w is None:
+                w = _Worker(t, options, inbox)
+            else:
+                free.remove(w)
+            w.t = t
+            w.give(job, options)
+            busy.append(w)
+        for w in [w for w in free if not any(_same(t, w.t) for t, _ in pending)]:
+            free.remove(w)
+            w.close()
 
     def finish(w: _Worker, out: str, err: str, code: int) -> None:
         report = _read(out, err, w.t, w.job, code)
@@ -390,23 +391,30 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
         job, w.job = w.job, None
         done(w.t, job, report)
 
-    start()
-    while live:
+    for w in idle:
+        w.redirect(inbox)
+        (busy if w.job is not None else free).append(w)
+    fill()
+    while busy:
         w, line = inbox.get()
         if line is not None:  # a job's report
             w.reported += 1
             finish(w, line, "", 0)
-            start(w)
+            busy.remove(w)
+            free.append(w)
+            fill()
             continue
-        err = w.ended()  # the worker ended
-        if w in live:
-            live.remove(w)
-        if w.job is not None:  # in the middle of a job
-            if w.tuned and not w.reported:  # rejected a setting before it began: again
-                live.append(w.restarted(options))
-                continue
-            finish(w, "", err, w.proc.returncode)
-        start()
+        err = w.ended()  # the worker ended: closed when free, or in the middle of a job
+        if w in free:
+            free.remove(w)
+        if w not in busy:
+            continue
+        busy.remove(w)
+        if w.tuned and not w.reported:  # rejected a setting before it began: again
+            busy.append(w.restarted(options))
+            continue
+        finish(w, "", err, w.proc.returncode)
+        fill()
 
 
 #: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine
@@ -414,11 +422,11 @@ def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done:
 #: eager laws compile a program per call's structure and shape, torch's dynamic mode traces
 #: with symbolic shapes; another backend is taken to cost as torch does
 _COST = {
-    "torch": {"index": {"eager": 0.2, "compiled": 25, "dynamic": 36},
-              "model": {"eager": 0.3, "compiled": 8, "dynamic": 6.4},
-              "attention": {"eager": 0.3, "compiled": 3}},
-    "jax": {"index": {"eager": 9.3, "compiled": 3.5},
-            "model": {"eager": 11, "compiled": 2.3}, "attention": {"eager": 10.5, "compiled": 1.6}},
+    "torch": {"index": {"eager": 0.2, "compiled": 18, "dynamic": 24},
+              "model": {"eager": 0.3, "compiled": 7.5, "dynamic": 6.5},
+              "attention": {"eager": 0.3, "compiled": 2}},
+    "jax": {"index": {"eager": 5.5, "compiled": 3},
+            "model": {"eager": 7, "compiled": 2}, "attention": {"eager": 9, "compiled": 1.7}},
 }
 
 
