@@ -460,8 +460,8 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     product = getattr(getattr(first, "backend", None), "matmul", None)
     b, s = tokens.shape
     embed = params["embed"]
-    x = xp.take(embed, xp.reshape(tokens, (-1,)), axis=0)  # [batch * seq, dim]
-    cos, sin = rotary(first.positions(), c.head_dim, c.rope_base, x.dtype, xp=xp)
+    x, cos, sin = _whole(first, tokens, reduce, _embedded, c, xp)(embed, tokens,
+                                                                 first.positions())
     out = []
     for p, pool, ix in zip(params["layers"], pools, indices, strict=True):
         if each is None:
@@ -470,13 +470,29 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
         else:
             x, pool = each(p, x, cos, sin, ix, pool)
         out.append(pool)
+    head = embed if c.tied else params["out"]
+    logits = _whole(first, x, reduce, _logits, c, product, xp, last, b, s)(params["norm"], head, x)
+    return logits, out
+
+
+def _embedded(c, xp, embed, tokens, positions):
+    """The tokens' embeddings ``[batch * seq, dim]``, and the rotary angles of their
+    positions."""
+    x = xp.take(embed, xp.reshape(tokens, (-1,)), axis=0)
+    return (x, *rotary(positions, c.head_dim, c.rope_base, x.dtype, xp=xp))
+
+
+def _logits(c, product, xp, last, b, s, norm, head, x):
+    """The logits ``[b, s, vocab]`` (``[b, 1, vocab]`` of each lane's last token where
+    ``last``) of the last layer's ``x``: the final norm, then the head (the embedding's
+    transpose where tied)."""
     if last:
         x = xp.reshape(x, (b, s, c.dim))[:, -1, :]
         s = 1
-    x = rms_norm(x, params["norm"], c.eps, xp=xp)
-    head = params["out"] if not c.tied else xp.matrix_transpose(embed)
-    logits = _products(product, c.matmul_mantissa)(x, head)
-    return xp.reshape(logits, (b, s, logits.shape[-1])), out
+    x = rms_norm(x, norm, c.eps, xp=xp)
+    logits = _products(product, c.matmul_mantissa)(x, xp.matrix_transpose(head) if c.tied
+                                                      else head)
+    return xp.reshape(logits, (b, s, logits.shape[-1]))
 
 
 def _layer_indices(index, config: Config) -> list:
