@@ -318,9 +318,10 @@ class CacheIndex:
         return w if w is None else min(w, int(self.xp.iinfo(self.pos.dtype).max))
 
     @property
-    def _largest(self) -> Any:
-        """The index dtype's largest value: the sentinel of a lane with no such token."""
-        return self.xp.asarray(self.xp.iinfo(self.pos.dtype).max, dtype=self.pos.dtype)
+    def _largest(self) -> int:
+        """The index dtype's largest value: the sentinel of a lane with no such token (a Python
+        number, which every operation takes in the index's dtype)."""
+        return int(self.xp.iinfo(self.pos.dtype).max)
 
     @property
     def _least(self) -> Any:
