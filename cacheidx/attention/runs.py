@@ -271,9 +271,9 @@ def _gather(index: Any, pieces: list[_Piece], short: set[int], n: int, most: int
         width += p.c1 - p.c0
     tiles.append(now)
     gathered = []
+    put = functools.partial(index.backend.from_host, device=index.device)
     for tile in tiles:
         slots = np.concatenate([np.arange(p.s0, p.s0 + p.c1 - p.c0) for p in tile])
-        put = functools.partial(index.backend.from_host, device=index.device)
         read = index.backend.read_plan(put(slots), put(np.ones(slots.shape, dtype=bool)), n)
         gathered.append(_Gathered(int(slots.size), read))
     taken = {id(p) for p in chosen}

@@ -70,8 +70,11 @@ class Backend:
     @classmethod
     def owns(cls, x: Any) -> bool:
         """Whether ``x`` is an array of this backend's library (never imports it)."""
-        if cls.module is None or cls.module not in sys.modules:
-            return False
+        return cls.module is not None and cls.module in sys.modules and cls._made_by(x)
+
+    @classmethod
+    def _made_by(cls, x: Any) -> bool:
+        """Whether ``x``'s type comes from one of the library's modules (by name alone)."""
         return type(x).__module__.split(".")[0] in cls._modules()
 
     @classmethod
@@ -253,7 +256,7 @@ class Backend:
         if self.module is not None:
             # an instance's library is imported (its namespace is resolved): no sys.modules
             # lookup, which a compiler would realise whole (60 ms a call under torch.compile)
-            return type(x).__module__.split(".")[0] in self._modules()
+            return self._made_by(x)
         try:
             return compat.array_namespace(x) is self.xp
         except TypeError:

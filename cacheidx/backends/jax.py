@@ -129,7 +129,7 @@ class JaxBackend(Backend):
 
         if isinstance(values, jax.Array):
             return values
-        return jax.device_put(np.asarray(values, dtype=buffer.dtype), buffer.sharding)
+        return self.from_host(np.asarray(values), buffer.dtype, buffer.sharding)
 
     def from_host(self, a: Any, dtype: Any = None, device: Any = None) -> Any:
         """A host array cast on the host and placed by ``jax.device_put``, which compiles
