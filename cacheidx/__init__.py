@@ -8,7 +8,7 @@ be quantized (:class:`Quantized`: 8- or 4-bit codes and a scale per token and kv
 :mod:`cacheidx.quantized`), under the same laws.
 """
 
-from . import attention, backends, quantized  # noqa: F401  (attention registers attend)
+from . import attention, backends, quantized, state  # noqa: F401  (attention registers attend)
 from .backends import use
 from .build import make, packed, rows, whole
 from .index import CacheIndex, Structure
@@ -16,5 +16,5 @@ from .obligations import check
 from .quantized import Quantized
 
 __all__ = ["CacheIndex", "Quantized", "Structure", "backends", "check", "make", "packed",
-           "quantized", "rows", "use", "whole"]
+           "quantized", "rows", "state", "use", "whole"]
 __version__ = "0.1.0"
