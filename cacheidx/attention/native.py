@@ -11,9 +11,17 @@ query row, the running maximum ``m``, the sum ``l`` of ``exp(z - m)`` and the we
 ``acc``, which :meth:`~cacheidx.attention.softmax.Online.merge` folds into the lane's state.
 
 Its exponential is a polynomial (:data:`SOURCE`'s ``fexp``: a few ulps of ``expf``, well inside
-attention's tolerance), so the compiler vectorises the loops; NaN is never computed through it:
-the kernel refuses a run whose scales or queries are not all finite (a row that held a NaN or
-an infinity), which the core then weighs carefully, as its laws say.
+attention's tolerance, and exactly zero below ``-87``), so the compiler vectorises the loops;
+NaN is never computed through it: the kernel refuses a run whose scales or queries are not all
+finite (a row that held a NaN or an infinity), or one of whose scores is NaN or ``+inf``,
+which the core then weighs carefully, as its laws say. A score of ``-inf`` (a product that
+overflowed) weighs nothing, as :class:`~cacheidx.attention.softmax.Online` weighs it: a query
+whose scores so far are all ``-inf`` weighs no column (``m = -inf``, ``l = 0``, ``acc = 0``),
+never ``exp(-inf - -inf)``.
+
+The kernel is a path of the law for values only, not gradients: it has no backward, so
+:func:`states` declines (the core's products, which autograd follows, read the run) wherever
+a gradient is asked: torch's grad mode on and the queries or a pool's scales requiring grad.
 
 The kernel is built once per machine with the C compiler (``$CC``, else ``cc``) into
 ``$XDG_CACHE_HOME/cacheidx`` (``~/.cache/cacheidx``) and loaded with :mod:`ctypes`; NumPy
@@ -56,8 +64,10 @@ SOURCE = r"""
 enum { ROWS = @ROWS@, BLOCK = @BLOCK@ };
 
 /* e^x for x <= 0: 2^n 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to degree
-   7 (error below 4e-9); x below -87 is taken as -87 (e^-87 is 1.6e-38, a weight of nothing) */
+   7 (error below 4e-9); x below -87 (e^-87 is 1.6e-38, a weight of nothing) is exactly 0, so
+   that a score of -inf weighs nothing, as the online softmax's exp(-inf) does */
 static inline float fexp(float x) {
+    float x0 = x;
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.44269504088896341f;
     float n = rintf(t);
@@ -67,7 +77,7 @@ static inline float fexp(float x) {
         1.3888888888888889e-3f + f * 1.9841269841269841e-4f))))));
     union { int32_t i; float f; } u;
     u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
+    return x0 < -87.0f ? 0.0f : p * u.f;
 }
 
 static inline int is_finite(float x) {
@@ -90,8 +100,12 @@ static inline void row(const uint8_t *restrict c, int d, int bits, float *restri
 /* One run of T columns of one lane, every kv head h < kv and query row r < m:
    q[(h m + r) d + i] the scaled queries; key codes of column t, head h at kc + t kst + h khs
    (bytes), their scale at ks[t kss + h khs2]; values alike. Out: mo, lo [kv m] and
-   acc [kv m dv]: the online softmax's state over the run. Returns 1 (computing nothing) where
-   a scale or a query is not finite, or m > ROWS. */
+   acc [kv m dv]: the online softmax's state over the run. Returns 1 (its outputs to be
+   discarded) where a scale or a query is not finite, a score is NaN or +inf (a product that
+   overflowed: the core weighs it as its laws say), or m > ROWS.
+   A row whose scores so far are all -inf (products that overflowed) weighs no column: its
+   state stays m = -inf, l = 0, acc = 0, and a block is weighed against a maximum of 0 while
+   the row's maximum is -inf (the online softmax's rule: never exp(-inf - -inf)). */
 static inline __attribute__((always_inline)) int run(
         int T, int kv, int m, int d, int dv, int kbits, int vbits, const float *q,
         const uint8_t *kc, long kst, long khs, const float *ks, long kss, long khs2,
@@ -122,16 +136,18 @@ static inline __attribute__((always_inline)) int run(
                     z[r][j] = dot * s;
                 }
             }
+            int bad = 0;
+            for (int r = 0; r < m; r++)
+                for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
+            if (bad) return 1;
             for (int r = 0; r < m; r++) {
                 float top = z[r][0];
                 for (int j = 0; j < nb; j++) top = fmaxf(top, z[r][j]);
-                float fade = 0.0f;
-                if (t0 > 0) {
-                    if (M[r] > top) top = M[r];
-                    fade = fexp(M[r] - top);
-                }
+                if (t0 > 0 && M[r] > top) top = M[r];
+                float base = top == -INFINITY ? 0.0f : top;
+                float fade = t0 > 0 ? fexp(M[r] - base) : 0.0f;
                 float sum = 0.0f;
-                for (int j = 0; j < nb; j++) { z[r][j] = fexp(z[r][j] - top); sum += z[r][j]; }
+                for (int j = 0; j < nb; j++) { z[r][j] = fexp(z[r][j] - base); sum += z[r][j]; }
                 L[r] = t0 > 0 ? L[r] * fade + sum : sum;
                 if (t0 > 0) for (int e = 0; e < dv; e++) A[r * dv + e] *= fade;
                 M[r] = top;
@@ -204,6 +220,16 @@ def off() -> Iterator[None]:
 
 
 def _load() -> Any:
+    """Build (where no good file is kept) and load the kernel; ``None``, said once as a
+    warning, where it cannot be built or loaded.
+
+    The file is checked before it is loaded: a loader mapping a truncated or garbage library
+    dies of SIGBUS, or refuses it, in every later process. Beside ``runs-<key>.so`` lies
+    ``runs-<key>.so.sha256``, the SHA-256 of its bytes; a file whose bytes do not match it (or
+    with none beside it) is rebuilt, once, in its place. A build goes to a temporary file
+    renamed over the old one (atomic: a reader sees the old file or the new, whole), the
+    checksum beside it first, under an exclusive ``fcntl.flock`` on ``runs-<key>.lock``, so
+    that processes building at once build once and never read a half-written file."""
     if os.environ.get("CACHEIDX_NATIVE", "1") == "0":
         return None
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
@@ -213,15 +239,15 @@ def _load() -> Any:
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cacheidx"
     lib = home / f"runs-{digest.hexdigest()[:16]}.so"
     try:
-        if not lib.exists():
-            home.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=home) as tmp:
-                src, out = Path(tmp) / "runs.c", Path(tmp) / "runs.so"
-                src.write_text(SOURCE)
-                subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(out, lib)  # atomic: another process may be building it too
-        fn = ctypes.CDLL(str(lib)).cacheidx_run
+        home.mkdir(parents=True, exist_ok=True)
+        with _locked(lib.with_suffix(".lock")):
+            fn = None
+            if _intact(lib):
+                with contextlib.suppress(OSError):
+                    fn = ctypes.CDLL(str(lib)).cacheidx_run
+            if fn is None:  # missing, truncated, garbage, or not loadable: rebuilt once
+                _build(cc, lib)
+                fn = ctypes.CDLL(str(lib)).cacheidx_run
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         warnings.warn(f"cacheidx: the CPU kernel for quantized runs could not be built ({e}"
@@ -233,6 +259,52 @@ def _load() -> Any:
     fn.argtypes = [i, i, i, i, i, i, i, p, p, ln, ln, p, ln, ln, p, ln, ln, p, ln, ln, p, p, p]
     fn.restype = i
     return fn
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created) while within; none where the platform has
+    no ``fcntl`` (the atomic rename still keeps a reader from a half-written file)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _checksum(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _intact(lib: Path) -> bool:
+    """Whether ``lib``'s bytes are those its checksum beside it records."""
+    try:
+        want = _checksum(lib).read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
+def _build(cc: str, lib: Path) -> None:
+    """Compile :data:`SOURCE` into ``lib`` and record its checksum (the caller holds the
+    lock)."""
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, out = Path(tmp) / "runs.c", Path(tmp) / "runs.so"
+        src.write_text(SOURCE)
+        subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], check=True,
+                       capture_output=True, timeout=120)
+        sum_tmp = Path(tmp) / "runs.so.sha256"
+        sum_tmp.write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
+        # the library first, then its checksum: a process that dies between the two leaves a
+        # file without a matching checksum, which the next one rebuilds
+        os.replace(out, lib)
+        os.replace(sum_tmp, _checksum(lib))
 
 
 def _cpu() -> str:
@@ -260,7 +332,10 @@ def _memory(x: Any) -> tuple[int, tuple[int, ...]] | None:
 def states(q: Any, keys: Any, values: Any) -> tuple[Any, Any, Any] | None:
     """``(m, l, acc)`` of one run, or ``None`` where the kernel does not apply: no kernel, not
     NumPy or a CPU tensor, not float32 queries and scales, a row's elements not adjacent, too
-    many query rows, a scale or a query not finite.
+    many query rows, a scale, a query or a score not finite but ``-inf``, or a gradient asked
+    (torch's grad mode on and ``q`` or a pool's scales requiring grad: the kernel has no
+    backward). A query row whose scores are all ``-inf`` has ``m = -inf``, ``l = 0`` and
+    ``acc = 0``.
 
     ``q`` ``[kv, rows, d]`` (scaled); ``keys`` and ``values`` quantized views
     ``(codes [T, kv, w], scales [T, kv])``. ``m`` and ``l`` are ``[kv, rows]``, ``acc``
@@ -273,6 +348,10 @@ def states(q: Any, keys: Any, values: Any) -> tuple[Any, Any, Any] | None:
         return None
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(q, torch.Tensor)
+    (kc, ks), (vc, vs) = keys, values
+    if is_torch and torch.is_grad_enabled() and any(
+            getattr(x, "requires_grad", False) for x in (q, kc, ks, vc, vs)):
+        return None  # no backward of its own: autograd follows the core's products instead
     if is_torch:
         q = q.contiguous()
         if q.dtype != torch.float32:
@@ -281,7 +360,6 @@ def states(q: Any, keys: Any, values: Any) -> tuple[Any, Any, Any] | None:
         q = np.ascontiguousarray(q)
         if q.dtype != np.float32:
             return None
-    (kc, ks), (vc, vs) = keys, values
     parts = [_memory(a) for a in (kc, ks, vc, vs)]
     if any(p is None for p in parts) or str(ks.dtype)[-7:] != "float32" or str(
             vs.dtype)[-7:] != "float32":

@@ -528,6 +528,10 @@ def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, 
     if got is None:
         return False
     m, l, acc = got
+    if not state.masked and bool(xp.any(m == -xp.inf)):
+        # a query that weighed no column of the run (its scores all -inf): its l may stay zero,
+        # which the state then selects around, as after a mask
+        state.masked = True
     shape = (1, kv, g, i1 - i0)
     state.merge(xp.reshape(m, (*shape, 1)), xp.reshape(l, (*shape, 1)),
                 xp.reshape(acc, (*shape, state.dv)))

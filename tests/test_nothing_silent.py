@@ -1,0 +1,182 @@
+"""Nothing silent (issue 37): what a new user's probes found, each mended at its root.
+
+The CPU kernel for quantized runs (items 2 to 4): it declines where a gradient is asked, weighs
+a block of ``-inf`` scores as the online softmax does, and never loads a kernel file that fails
+its check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import cacheidx as ci
+from cacheidx import quantized
+from cacheidx.attention import native
+
+KV, D, T = 2, 64, 200
+
+
+def kernel_or_skip():
+    if native.kernel() is None:
+        pytest.skip("no C compiler builds the CPU kernel here")
+
+
+def decode_step(lib: str, *, overflow: bool):
+    """A lane of ``T`` tokens in quantized pools, then its decode step: ``(step, q, k, v,
+    kpool, vpool)``. With ``overflow`` the step's query is huge against the first 64 keys, so
+    that every score of the kernel's first block of columns is -inf (a product that
+    overflowed: float32 can not hold it) and the others are zero."""
+    rng = np.random.default_rng(0)
+    ix = ci.rows(256, [T], xp=lib)
+    xp = ix.xp
+    k = rng.standard_normal((1, T, KV, D)).astype(np.float32)
+    if overflow:
+        k[:] = 0
+        k[:, :64] = 1e10
+    v = rng.standard_normal((1, T, KV, D)).astype(np.float32)
+    q = rng.standard_normal((1, T, 4, D)).astype(np.float32)
+    kp, vp = quantized.zeros(256, KV, D, xp=lib), quantized.zeros(256, KV, D, xp=lib)
+    _, kp, vp = ix.attend(*(xp.asarray(a) for a in (q, k, v)), kp, vp)
+    q1 = (np.full((1, 1, 4, D), -1e30, np.float32) if overflow
+          else rng.standard_normal((1, 1, 4, D)).astype(np.float32))
+    k1 = np.zeros((1, 1, KV, D), np.float32)
+    v1 = rng.standard_normal((1, 1, KV, D)).astype(np.float32)
+    return ix.advance(), q1, k1, v1, kp, vp
+
+
+def used_kernel(monkeypatch) -> list[bool]:
+    """Whether each run the core offered the kernel went through it."""
+    calls: list[bool] = []
+    states = native.states
+
+    def spy(*args):
+        got = states(*args)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(native, "states", spy)
+    return calls
+
+
+# -- item 3: a leading block of -inf scores ---------------------------------------------------
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_leading_block_of_minus_inf_scores_weighs_nothing_through_the_kernel(lib,
+                                                                              monkeypatch):
+    """A query weighs no column of score -inf: its output is that of the other columns, the
+    kernel's as the core's (the law of :mod:`cacheidx.attention.softmax`), never NaN."""
+    if lib == "torch":
+        pytest.importorskip("torch")
+    kernel_or_skip()
+    step, q, k, v, kp, vp = decode_step(lib, overflow=True)
+    xp = step.xp
+    calls = used_kernel(monkeypatch)
+    got = np.asarray(step.attend(*(xp.asarray(a) for a in (q, k, v)), kp, vp)[0])
+    assert calls and all(calls), "the run went through the kernel"
+    with native.off():
+        want = np.asarray(step.attend(*(xp.asarray(a) for a in (q, k, v)), kp, vp)[0])
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN outputs"
+    # the columns weighed are 64..T (the stored ones, scores 0) and the step's own
+    seen = np.asarray(step.extend(xp.asarray(v), vp)[0])
+    mean = seen[0, 64:T + 1].mean(axis=0)  # [kv, d]: every weighed score is 0
+    np.testing.assert_allclose(got[0, 0], np.repeat(mean, 2, axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_query_whose_every_score_is_minus_inf_weighs_no_column_in_the_kernel():
+    """The kernel's state for a run whose scores are all -inf: m = -inf, l = 0, acc = 0."""
+    kernel_or_skip()
+    q = np.full((KV, 1, D), -1e30, np.float32)
+    codes = np.full((8, KV, D), 127, np.int8)
+    scales = np.full((8, KV), 1e10, np.float32)
+    got = native.states(q, (codes, scales), (codes, scales))
+    assert got is not None
+    m, l, acc = got
+    assert np.all(m == -np.inf) and np.all(l == 0) and np.all(acc == 0), (m, l, acc)
+
+
+# -- item 2: gradients --------------------------------------------------------------------------
+def test_the_kernel_declines_where_a_gradient_is_asked(monkeypatch):
+    """A decode step over quantized pools with ``q.requires_grad``: the output requires grad and
+    its gradient is the core's (the kernel has no backward), whether or not the kernel is on."""
+    torch = pytest.importorskip("torch")
+    kernel_or_skip()
+    step, q, k, v, kp, vp = decode_step("torch", overflow=False)
+    calls = used_kernel(monkeypatch)
+    grads = []
+    for off in (False, True):
+        qt = torch.tensor(q, requires_grad=True)
+        with native.off() if off else _nothing():
+            out = step.attend(qt, torch.tensor(k), torch.tensor(v), kp, vp)[0]
+        assert out.requires_grad, "the output of a query that asks a gradient"
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        grads.append(qt.grad.clone())
+    assert calls and not any(calls), "the kernel declines where a gradient is asked"
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    calls.clear()
+    # without a gradient asked, the same step goes through it
+    with torch.no_grad():
+        step.attend(torch.tensor(q, requires_grad=True), torch.tensor(k), torch.tensor(v), kp,
+                    vp)
+    assert calls and all(calls), "under no_grad the kernel reads the run"
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- item 4: a broken kernel file ---------------------------------------------------------------
+ATTEND = textwrap.dedent("""
+    import warnings, numpy as np, cacheidx as ci
+    from cacheidx import quantized
+    from cacheidx.attention import native
+    warnings.simplefilter("error")
+    ix = ci.rows(8, [5])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, n, 64)).astype(np.float32) for n in (4, 2, 2))
+    kp, vp = quantized.zeros(8, 2, 64), quantized.zeros(8, 2, 64)
+    _, kp, vp = ix.attend(q, k, v, kp, vp)
+    step = ix.advance()
+    out = step.attend(q[:, :1], k[:, :1], v[:, :1], kp, vp)[0]
+    assert np.isfinite(out).all()
+    print("kernel", native.kernel() is not None)
+""")
+
+
+def attend_in_a_process(cache) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "CACHEIDX_NATIVE": "1"}
+    return subprocess.run([sys.executable, "-c", ATTEND], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no checksum"])
+def test_a_broken_kernel_file_is_rebuilt_never_a_crash(damage, tmp_path):
+    """A kernel file truncated (SIGBUS before: exit 135, in every later process), garbage
+    (a warning, then never rebuilt) or without its checksum: the next process's quantized
+    ``attend`` rebuilds it, once, silently, and reads through it."""
+    kernel_or_skip()
+    first = attend_in_a_process(tmp_path)
+    assert first.returncode == 0 and "kernel True" in first.stdout, first.stderr
+    [lib] = (tmp_path / "cacheidx").glob("runs-*.so")
+    whole = lib.read_bytes()
+    if damage == "truncated":
+        lib.write_bytes(whole[:len(whole) // 3])
+    elif damage == "garbage":
+        lib.write_bytes(b"not a library\n" * 100)
+    else:
+        lib.with_name(lib.name + ".sha256").unlink()
+    after = attend_in_a_process(tmp_path)
+    assert after.returncode == 0, f"exit {after.returncode}: {after.stderr[-2000:]}"
+    assert "kernel True" in after.stdout, after.stderr[-2000:]
+    assert len(lib.read_bytes()) == len(whole), "rebuilt whole"
+    again = attend_in_a_process(tmp_path)
+    assert again.returncode == 0 and "kernel True" in again.stdout, again.stderr[-2000:]
