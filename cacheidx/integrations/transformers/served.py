@@ -17,7 +17,10 @@ Laws:
    latent attention (it caches a latent, not keys and values per head), a kind of layer other
    than full and sliding attention, and a forward that does not pass its keyword arguments
    down to its attention function or attends outside transformers' ``AttentionInterface``
-   (found by one token's call through a one-slot pool).
+   (found by one token's call through a one-slot pool); and, for a model with recurrent
+   layers, one whose states do not carry from one call to the next (found at wrap time: a
+   short prompt computed whole and token by token must give one result) or a layer that
+   keeps both keys and values and a state (:func:`~.states.layout_of`).
 3. A wrapped model is set to ``"cacheidx:OWN"``, ``OWN`` the implementation it had
    (:func:`~.attention.over`): a call that passes an index attends through it, any other call
    is the model's own (transformers' ``generate`` runs on it unchanged), so the setting holds
@@ -25,6 +28,22 @@ Laws:
    of one model share one hold: the first sets the model, the last to :meth:`restore` sets it
    back to what the first found; a model already set to ``"cacheidx"`` or ``"cacheidx:OWN"``
    is left so.
+4. **Recurrent layers** (hybrid and state-space decoders: Gated DeltaNet, short convolutions,
+   Mamba and Mamba 2 layers; :mod:`.states`). ``recurrent_layers`` names them, each keeping
+   one or more kinds of state (``state_kinds[i]``: conv window, recurrent or SSM state, each a
+   row shape and dtype). Its pools are a tuple of :class:`cacheidx.state.Pools` (``running
+   [rows, *shape]``, ``snapshots [n, *shape]``), one a kind, from ``slots[i]`` a pair ``(rows,
+   snapshots)``; an attention layer's are its ``(keys, values)`` as before (``slots[i]`` a
+   number), a layer that keeps nothing (an MLP layer) gets ``()``. A call starts each state
+   from ``cacheidx.state.start(index, pools)`` and stores it after with
+   ``cacheidx.state.store(index, final, pools)`` (``index`` the layer's), through a
+   transformers ``Cache`` of the call (:class:`~.states.CallCache`). transformers' kernels give
+   a call's final state alone, so the model says ``final_states_only`` (a caller cuts its
+   chunks to end at a snapshot's block end) and ``lanes_per_prefill = 1`` (a lane is wholly
+   valid or wholly padding: :func:`~.states.check_lanes` raises otherwise). Where the model's
+   own kernels ignore a state a multi-token call starts from (Mamba's and Falcon-Mamba's scan),
+   such a call is computed one token a call (``stepwise``), which the wrap-time check finds.
+   A model without recurrent layers has none of this: ``recurrent_layers`` is ``()``.
 """
 
 from __future__ import annotations
@@ -35,6 +54,7 @@ import weakref
 from typing import Any
 
 from . import attention as attn  # the module (the package exports no function by that name)
+from . import states
 
 __all__ = ["TransformersModel", "shape_of"]
 
@@ -84,19 +104,46 @@ class TransformersModel:
         self.hf = hf_model
         self.name = type(hf_model).__name__
         refused(hf_model)
-        self.windows = attn.layer_windows(hf_model.config)
-        self.layers, self.kv_heads, self.head_dim = shape_of(hf_model.config)
         config = attn.text_config(hf_model.config)
+        #: each layer's entry of :func:`~.states.layout_of` (law 4): all attention without
+        #: recurrent layer types, so an attention-only model is never run to find it
+        self.layout = (states.layout_of(hf_model, self.name) if _recurrent_types(config)
+                       else [states.ATTENTION] * int(config.num_hidden_layers))
+        self.recurrent_layers = tuple(i for i, e in enumerate(self.layout)
+                                      if e not in (states.ATTENTION, states.NOTHING))
+        #: each recurrent layer's kinds of state (law 4)
+        self.state_kinds = {i: self.layout[i] for i in self.recurrent_layers}
+        attends = [i for i, e in enumerate(self.layout) if e == states.ATTENTION]
+        self.windows = ([attn.layer_window(config, i) if i in attends else None
+                         for i in range(len(self.layout))] if self.recurrent_layers
+                        else attn.layer_windows(hf_model.config))
+        self.layers, self.kv_heads, self.head_dim = (
+            shape_of(hf_model.config) if attends else (len(self.layout), 0, 0))
         self.vocab = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
+        #: whether a multi-token call that resumes a state runs one token a call (law 4)
+        self.stepwise = False
         self._held = False
         #: the model's attention implementation before its first wrapper (law 3)
-        self.previous = self._hold()
+        self.previous = self._hold() if attends else hf_model.config._attn_implementation
         try:
-            self._probe()
+            if attends:
+                self._probe()
+            if self.recurrent_layers:
+                self._probe_states()
         except BaseException:
             self.restore()
             raise
+
+    #: read by the engine for a model with recurrent layers (law 4): transformers' kernels give
+    #: a call's final state alone, and padding would flow into a state
+    final_states_only = True
+    lanes_per_prefill = 1
+
+    def state_bytes(self) -> int:
+        """The bytes one sequence's states take over every recurrent layer (law 4): each kind's
+        row in its dtype (the model's, or the one its modeling code keeps the state in)."""
+        return sum(k.bytes for i in self.recurrent_layers for k in self.state_kinds[i])
 
     def _hold(self) -> Any:
         """Takes a hold on the model (law 3), setting it to ``"cacheidx:OWN"`` where none held
@@ -137,11 +184,15 @@ class TransformersModel:
         :mod:`cacheidx.attention.layout` chooses (head-major on the CPU). With ``kv``
         (``"int8"``, ``"int4"``) each is a :class:`cacheidx.quantized.Quantized` pool of codes
         and float32 scales, laid out alike; its attention's output is in the model's dtype.
-        Raises ``ValueError`` naming the function for another ``kv``, and for ``"int4"`` with
-        an odd ``head_dim``."""
+        A recurrent layer's ``slots`` are a pair ``(rows, snapshots)``: a
+        :class:`cacheidx.state.Pools` of zeros of each kind of its state (law 4; ``kv`` is the
+        attention layers' alone), and a layer that keeps nothing gets ``()``. Raises
+        ``ValueError`` naming the function for another ``kv``, for ``"int4"`` with an odd
+        ``head_dim`` and for a list of another length, ``TypeError`` for a layer's slots of
+        the other form."""
         import array_api_compat.torch as xp
 
-        from ... import quantized
+        from ... import quantized, state
         from ...attention import layout
         from ...models import llama
 
@@ -151,29 +202,52 @@ class TransformersModel:
                              f"must be even; {self.name}'s is {self.head_dim}")
         p = next(self.hf.parameters())
         each = [slots] * self.layers if isinstance(slots, int) else list(slots)
-        if bits is None:
-            return [tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim, dtype=self.hf.dtype,
-                                       device=p.device) for _ in "kv")
-                    for n in each]
-        order = llama.quantized_layout(xp, self.kv_heads, self.head_dim, p.device)
-        return [tuple(quantized.zeros(n, self.kv_heads, self.head_dim, bits=bits, xp=xp,
-                                      device=p.device, layout=order) for _ in "kv")
-                for n in each]
+        if len(each) != len(self.layout):
+            raise ValueError(f"cacheidx.{_POOLS}: slots names {len(each)} layers; "
+                             f"{self.name} has {len(self.layout)}")
+        order = None if bits is None else llama.quantized_layout(xp, self.kv_heads,
+                                                                 self.head_dim, p.device)
+
+        def kv(n: Any) -> Any:
+            if bits is None:
+                return tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim,
+                                          dtype=self.hf.dtype, device=p.device) for _ in "kv")
+            return tuple(quantized.zeros(n, self.kv_heads, self.head_dim, bits=bits, xp=xp,
+                                         device=p.device, layout=order) for _ in "kv")
+
+        out = []
+        for i, (entry, n) in enumerate(zip(self.layout, each, strict=True)):
+            if entry == states.NOTHING:
+                out.append(())
+            elif entry == states.ATTENTION:
+                if isinstance(n, bool) or not isinstance(n, int):
+                    raise TypeError(f"cacheidx.{_POOLS}: layer {i} of {self.name} attends: its "
+                                    f"slots are a number, got {n!r}")
+                out.append(kv(n))
+            else:
+                if not (isinstance(n, tuple | list) and len(n) == 2):
+                    raise TypeError(f"cacheidx.{_POOLS}: layer {i} of {self.name} is "
+                                    "recurrent: its slots are a pair (rows, snapshots), got "
+                                    f"{n!r}")
+                out.append(tuple(state.zeros(n[0], n[1], k.shape, dtype=k.dtype, xp="torch",
+                                             device=p.device) for k in entry))
+        return out
 
     def token_bytes(self, kv: str | None = None) -> int:
-        """The bytes one token takes in every layer's pools: the model's dtype, or ``kv``'s
-        codes and scales."""
+        """The bytes one token takes in every attention layer's pools: the model's dtype, or
+        ``kv``'s codes and scales (a recurrent layer's states are :meth:`state_bytes`)."""
         from ...serve.model import token_bytes
 
         size = self.hf.dtype.itemsize
-        return self.layers * token_bytes(self.kv_heads, self.head_dim, kv, itemsize=size)
+        attends = sum(e == states.ATTENTION for e in self.layout)
+        return attends * token_bytes(self.kv_heads, self.head_dim, kv, itemsize=size)
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         """``(logits [batch, vocab], pools)``: law 1."""
         import torch
 
         now = self.hf.config._attn_implementation
-        if not attn.attends_by_index(now):  # the model's own attention would drop the index
+        if self.kv_heads and not attn.attends_by_index(now):  # the model's own attention would drop the index
             raise RuntimeError(f"{_WHERE}: {self.name}'s attention implementation is {now!r} "
                                "(set back since it was wrapped), so it would not attend "
                                f"through the index: wrap it again with {_WHERE}")
@@ -182,11 +256,37 @@ class TransformersModel:
         # transformers takes a 4D mask as prepared and builds none (the index is the mask;
         # zeros: were a layer to add it after all, it would change nothing)
         unread = torch.zeros((1, 1, 1, 1), device=tokens.device)
-        with torch.no_grad():  # compiled too: pools that required grad would be a new program
-            out = self.hf(input_ids=tokens, attention_mask=unread, position_ids=first.positions(),
-                          use_cache=False, logits_to_keep=1,
+        if not self.recurrent_layers:
+            with torch.no_grad():  # compiled too: pools that required grad would be a new
+                out = self.hf(input_ids=tokens, attention_mask=unread,  # program
+                              position_ids=first.positions(), use_cache=False, logits_to_keep=1,
+                              **{attn.INDEX: index, attn.POOLS: written})
+            return out.logits[:, -1, :], written
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            states.check_lanes(_FORWARD, index)
+        if self.stepwise and tokens.shape[1] > 1 and (compiling or _resumes(first)):
+            logits = None
+            for t in range(tokens.shape[1]):  # its kernels would drop the start state (law 4)
+                logits, written = self._call(tokens[:, t:t + 1], _column(index, t), written,
+                                             unread)
+            return logits, written
+        return self._call(tokens, index, written, unread)
+
+    def _call(self, tokens: Any, index: Any, written: list[Any], unread: Any) -> tuple[Any, Any]:
+        """One call of a model with recurrent layers over a :class:`~.states.CallCache`."""
+        import torch
+
+        first = index[0] if isinstance(index, list) else index
+        call = states.CallCache(self.layout, index, written)
+        # a model of recurrent layers alone is given no mask (Mamba multiplies its hidden
+        # states by what it gets): it has no attention to take the placeholder
+        mask = unread if self.kv_heads else None
+        with torch.no_grad():
+            out = self.hf(input_ids=tokens, attention_mask=mask, position_ids=first.positions(),
+                          cache=call.cache, use_cache=True, logits_to_keep=1,
                           **{attn.INDEX: index, attn.POOLS: written})
-        return out.logits[:, -1, :], written
+        return out.logits[:, -1, :], call.stored(written)
 
     def restore(self) -> None:
         """Gives this wrapper's hold back (law 3). The last hold given back, or none left at
@@ -216,13 +316,14 @@ class TransformersModel:
         import cacheidx as ci
 
         device = next(self.hf.parameters()).device
-        pools = self.pools(None, 1)
+        pools = self.pools(None, self._slots(1))
         index = ci.rows(1, [1], xp="torch", device=device)
         tokens = torch.zeros((1, 1), dtype=torch.int64, device=device)
         required = attn.REQUIRED.set(True)  # a layer called without the index raises
         try:
             _, written = self.forward(None, tokens, index, pools)
-            missing = [i for i in range(self.layers) if written[i] is pools[i]]
+            missing = [i for i, e in enumerate(self.layout)
+                       if e == states.ATTENTION and written[i] is pools[i]]
         except attn.NoIndex:
             raise ValueError(f"{_WHERE}: {self.name}'s forward does not pass its keyword "
                              "arguments down to its attention function, so no layer gets "
@@ -233,6 +334,78 @@ class TransformersModel:
             raise ValueError(f"{_WHERE}: layers {missing} of {self.name} never called the "
                              f"attention function {attn.NAME!r}: they attend outside "
                              "transformers' AttentionInterface")
+
+
+    def _slots(self, n: int) -> list[Any]:
+        """Each layer's slots for ``n`` slots a pool and a state's ``(n, 0)``."""
+        return [(n, 0) if i in self.state_kinds else n for i in range(len(self.layout))]
+
+    def _probe_states(self) -> None:
+        """A prompt of 6 tokens, computed whole, in two calls (2 then 4 tokens) and one token a
+        call, each from zero pools (law 2 and 4): the first and the third must give one
+        result, else the model's states do not carry from call to call and it is refused; the
+        second differing means its kernels drop a multi-token call's start state, so such calls
+        run one token a call (:attr:`stepwise`)."""
+        import torch
+
+        import cacheidx as ci
+
+        device = next(self.hf.parameters()).device
+        n = 6
+        tokens = (torch.arange(n, device=device) * 37 + 11) % self.vocab
+        table = torch.arange(n, device=device)[None]
+
+        def run(cuts: list[int]) -> Any:
+            pools, logits = self.pools(None, self._slots(n)), None
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                index = ci.make(torch.arange(a, b, device=device)[None], table)
+                logits, pools = self.forward(None, tokens[None, a:b], index, pools)
+            return logits.float()
+
+        whole, split = run([0, n]), run([0, 2, n])
+        if not _close(whole, run(list(range(n + 1))), self.hf.dtype):
+            raise ValueError(f"{_WHERE}: {self.name}'s recurrent layers do not carry their "
+                             "state from one call to the next through transformers' cache "
+                             "(a prompt computed whole and one token a call differ), so "
+                             "cacheidx cannot serve it")
+        self.stepwise = not _close(whole, split, self.hf.dtype)
+
+
+_FORWARD = "integrations.transformers.TransformersModel.forward"
+_KINDS = ("full_attention", "sliding_attention")
+
+
+def _recurrent_types(config: Any) -> bool:
+    """Whether ``config``'s layer types name a kind other than full and sliding attention (a
+    recurrent, convolution or MLP-only layer: :func:`~.states.layout_of` then reads which)."""
+    try:
+        types = getattr(config, "layer_types", None)
+    except (AttributeError, KeyError, TypeError):
+        types = None
+    return bool(types) and any(t not in _KINDS for t in types)
+
+
+def _close(a: Any, b: Any, dtype: Any) -> bool:
+    """Whether two calls' logits agree within what their dtype's arithmetic leaves (a chunked
+    and a recurrent form of one state differ by rounding; a dropped state by far more)."""
+    tol = 1e-3 if dtype.itemsize >= 4 else 3e-2
+    return bool((a - b).abs().max() <= tol * max(1.0, float(a.abs().max())))
+
+
+def _resumes(index: Any) -> bool:
+    """Whether a lane's first valid token is past position 0 (it starts from a state); read
+    on the host."""
+    valid = index.valid
+    first = index.pos.masked_fill(~valid, -1).clamp(min=-1)
+    first = first.masked_fill(~valid, int(index.pos.max()) + 1).amin(dim=1)
+    return bool((valid.any(dim=1) & (first > 0)).any())
+
+
+def _column(index: Any, t: int) -> Any:
+    """The index of column ``t`` of the call alone (each of a list's)."""
+    if isinstance(index, list):
+        return [_column(ix, t) for ix in index]
+    return dataclasses.replace(index, pos=index.pos[:, t:t + 1])
 
 
 def refused(hf_model: Any) -> None:
