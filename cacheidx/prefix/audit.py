@@ -20,8 +20,8 @@ def check(root: CachedPage, groups: list[GroupManager], holds: Iterable) -> None
     readers equal to the holds that read a node, holds are root paths, the reservations what
     the holds may still take."""
     G = len(groups)
-    full = [m for m in groups if m.window is None]
-    sliding = [m for m in groups if m.window is not None]
+    full = [m for m in groups if m.kind == "full"]
+    sliding = [m for m in groups if m.kind == "sliding"]
     seen: list[dict[int, str]] = [{} for _ in range(G)]
 
     def put(g: int, page: int, where: str) -> None:
@@ -90,5 +90,5 @@ def check(root: CachedPage, groups: list[GroupManager], holds: Iterable) -> None
         assert len(seen[g]) == pool.fresh, f"{pool.fresh - len(seen[g])} pages leaked"
         assert cached[g] == pool.cached and unread[g] == pool.unread
         assert reserved[g] == pool.reserved, f"group {g} reserves {pool.reserved}"
-        if m.window is not None:
+        if m.kind == "sliding":
             assert pool.capacity - pool.free - pool.unread <= pool.reserved <= pool.capacity

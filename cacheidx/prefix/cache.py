@@ -50,6 +50,10 @@ then holds one page per group (``pages``), each of its group's pool, or none (-1
     hold's most; a pool that cannot hold them beside every running request's most, or a
     hold that gave some back already, refuses (``False``).
 
+A model with recurrent layers (``states``: their snapshots every ``m`` positions, a pool of
+slots of their own) keeps one group more, of snapshots (:mod:`.states`, laws 11 to 13):
+a hit then also needs, for every recurrent layer, the snapshot at its junction.
+
 An operation that cannot be done raises :class:`~cacheidx.prefix.PageError` or a
 ``ValueError`` and changes nothing; ``admit`` returns ``None`` when the pages are not there
 yet (running requests hold them).
@@ -76,6 +80,7 @@ from .manager import GroupManager
 from .pages import PageError
 from .pool import GroupPages, Pool
 from .sliding import SlidingManager
+from .states import StateManager
 from .tree import CachedPage, Tree, lru
 
 __all__ = ["CachedPage", "GroupPages", "Hold", "Match", "PrefixCache", "lru"]
@@ -99,6 +104,8 @@ class PrefixCache:
     ``windows`` names the groups of layers, one pool each (laws 7 to 9): ``None`` for full
     layers, a positive ``w`` for sliding layers of window ``w``, at most one of each; one full
     group by default. ``pages`` is then every group's pool, or a sequence of one per group.
+    ``states``, ``(m, slots)``: the recurrent layers' snapshots, one every ``m`` positions (a
+    multiple of ``page_size``) in a pool of ``slots`` (laws 11 to 13; it needs a full group).
 
     Each group has a manager of its kind (:mod:`.full`, :mod:`.sliding`) behind one interface
     (:mod:`.manager`); the cache holds the tree (:mod:`.tree`) and the requests' holds, and
@@ -106,9 +113,11 @@ class PrefixCache:
 
     def __init__(self, pages: int | Sequence[int], page_size: int, *,
                  policy: Callable[[CachedPage], Any] = lru,
-                 windows: Sequence[int | None] = (None,)):
+                 windows: Sequence[int | None] = (None,),
+                 states: tuple[int, int] | None = None):
         self._size = _integer("page_size", page_size, 1)
         self.windows = _windows(windows)
+        states = _states(states, self._size, self.windows)
         counts = _counts(pages, len(self.windows))
         for c in counts:
             if c * self._size > LARGEST:  # a table names slots in int64
@@ -117,13 +126,21 @@ class PrefixCache:
         if not callable(policy):
             raise TypeError(f"{WHERE}: policy must be callable, got {policy!r}")
         self._pools = [Pool(c, policy) for c in counts]
+        if states is not None:
+            self._pools.append(Pool(states[1], policy))
         full = None in self.windows
-        self._tree = Tree(len(self.windows), self._size,
-                          sliding=any(w is not None for w in self.windows))
+        self._tree = Tree(len(self._pools), self._size,
+                          sliding=any(w is not None for w in self.windows) or bool(states))
         self._groups: list[GroupManager] = [
             FullManager(g, w, self._pools, self._tree, self._size) if w is None else
             SlidingManager(g, w, self._pools, self._tree, self._size, prunes=not full)
             for g, w in enumerate(self.windows)]
+        #: the snapshot group (laws 11 to 13), the last, or None
+        self._state = None if states is None else StateManager(
+            len(self.windows), states[0], self._pools, self._tree, self._size)
+        if self._state is not None:
+            self._groups.append(self._state)
+        self._pages = self._pools[: len(self.windows)]  # the pools of pages (not snapshots)
         #: the full group, whose pages make the tree: a node is cached with its page, and
         #: the tree's readers are its readers
         self._full = next((m for m in self._groups if isinstance(m, FullManager)), None)
@@ -144,11 +161,11 @@ class PrefixCache:
     @property
     def evictions(self) -> int:
         """Pages evicted so far (every group's)."""
-        return sum(p.evicted for p in self._pools)
+        return sum(p.evicted for p in self._pages)
 
     @property
     def capacity(self) -> int:
-        return sum(p.capacity for p in self._pools)
+        return sum(p.capacity for p in self._pages)
 
     @property
     def page_size(self) -> int:
@@ -157,22 +174,38 @@ class PrefixCache:
     @property
     def free(self) -> int:
         """Pages holding nothing."""
-        return sum(p.free for p in self._pools)
+        return sum(p.free for p in self._pages)
 
     @property
     def cached(self) -> int:
         """Pages in the tree, read or not."""
-        return sum(p.cached for p in self._pools)
+        return sum(p.cached for p in self._pages)
 
     @property
     def evictable(self) -> int:
         """Cached pages no request reads: what admissions may evict."""
-        return sum(p.unread for p in self._pools)
+        return sum(p.unread for p in self._pages)
 
     @property
     def in_use(self) -> int:
         """Pages running requests hold: their own and the cached ones they read."""
-        return sum(p.in_use for p in self._pools)
+        return sum(p.in_use for p in self._pages)
+
+    @property
+    def snapshot_evictions(self) -> int:
+        """Snapshots evicted so far (alone, or with their node)."""
+        return 0 if self._state is None else self._state.pool.evicted
+
+    @property
+    def every(self) -> int | None:
+        """The block size of the recurrent layers' snapshots (``None``: no snapshot group)."""
+        return None if self._state is None else self._state.every
+
+    @property
+    def snapshots(self) -> GroupPages | None:
+        """The snapshot pool now (``None`` without recurrent layers): its slots free, cached,
+        evictable and in use."""
+        return None if self._state is None else self._state.pool.now(None)
 
     def group(self, g: int) -> GroupPages:
         """Group ``g``'s pool now."""
@@ -357,6 +390,8 @@ class PrefixCache:
         """Law 3: one more request holds ``node``."""
         if node.readers == 0 and self._full is not None:
             self._full.claim(node)
+        if node.readers == 0 and self._state is not None:
+            self._state.claim(node)
         node.readers += 1
 
     def _live(self, hold: Hold, op: str) -> None:
@@ -383,6 +418,25 @@ def _windows(windows: Any) -> tuple[int | None, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"{WHERE}: windows {list(out)} name a group twice")
     return out
+
+
+def _states(states: Any, page_size: int, windows: tuple[int | None, ...]
+            ) -> tuple[int, int] | None:
+    """``(m, slots)`` of the snapshot group: ``m`` a positive multiple of the page size, a
+    full group beside it."""
+    if states is None:
+        return None
+    if not (isinstance(states, tuple | list) and len(states) == 2):
+        raise TypeError(f"{WHERE}: states must be a pair (m, slots), got {states!r:.60}")
+    m = _integer("states' m", states[0], 1)
+    slots = _integer("states' slots", states[1], 0)
+    if m % page_size:
+        raise ValueError(f"{WHERE}: snapshots every {m} positions: m must be a multiple of the "
+                         f"page size, {page_size}")
+    if None not in windows:
+        raise ValueError(f"{WHERE}: snapshots need a group of full layers beside them (the "
+                         f"windows are {list(windows)})")
+    return m, slots
 
 
 def _counts(pages: Any, groups: int) -> list[int]:

@@ -27,6 +27,8 @@ class GroupManager:
     its other pages too. The defaults are those of a group that holds every page of its table
     until release (nothing to slide, keep or miss); the kinds override the rest."""
 
+    kind = "full"  #: "full", "sliding" or "state" (:mod:`.states`)
+
     def __init__(self, g: int, window: int | None, pools: list[Pool], tree: Tree,
                  page_size: int):
         self.g = g

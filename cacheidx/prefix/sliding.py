@@ -26,6 +26,8 @@ class SlidingManager(GroupManager):
     """A group of sliding layers of ``window`` positions; ``prunes``: there is no full group,
     so a node goes with its last page (law 9)."""
 
+    kind = "sliding"
+
     def __init__(self, g: int, window: int, pools: list[Pool], tree: Tree, page_size: int, *,
                  prunes: bool):
         super().__init__(g, window, pools, tree, page_size)
