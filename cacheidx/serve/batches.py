@@ -6,7 +6,10 @@ Laws, for lanes in the scheduler's running order:
 
 1. A prefill call (:func:`prefill`) is every lane still in its prompt, each computing its
    next ``min(chunk, tokens left)`` prompt tokens, left padded to the longest (position -1,
-   token 0); it reads as many columns as its furthest token's position plus one.
+   token 0); it reads as many columns as its furthest token's position plus one. With
+   ``align`` (``m``: a model whose recurrent layers store the state after a call's last
+   token alone) a lane's tokens end at a block's end or at the prompt's, so every block its
+   prompt closes is closed by the last token of a call.
 2. A decode call (:func:`decode`) is every lane past its prompt, each fed its last generated
    token at that token's position (:attr:`Lane.position`); it reads as many columns as its
    furthest position plus one.
@@ -112,10 +115,13 @@ def _rows(lanes: tuple[Lane, ...]) -> np.ndarray:
     return np.asarray([lane.row for lane in lanes], dtype=np.int64)
 
 
-def prefill(lanes: tuple[Lane, ...], chunk: int) -> Batch:
+def prefill(lanes: tuple[Lane, ...], chunk: int, align: int | None = None) -> Batch:
     """Law 1: the prefill call of ``lanes`` (each still in its prompt), ``chunk`` tokens
-    each at most."""
+    each at most, ending at a block of ``align`` positions where given."""
     counts = [min(chunk, len(lane.data) - lane.done) for lane in lanes]
+    if align is not None:
+        counts = [min(n, (lane.done // align + 1) * align - lane.done)
+                  for lane, n in zip(lanes, counts)]
     seq = max(counts)
     pos = np.full((len(lanes), seq), -1, dtype=np.int64)
     tokens = np.zeros((len(lanes), seq), dtype=np.int64)

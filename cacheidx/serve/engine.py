@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -54,7 +56,7 @@ from .requests import Request, Result
 from .scheduler import Batch, Scheduler
 from .step import Step, TableError
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "state_every"]
 
 
 _KINDS = ("prefill", "decode", "prefill warmup", "decode warmup")
@@ -104,7 +106,13 @@ class Engine:
     that is not a positive integer (``pages`` may be 0), a window below the model's own, a
     pool that cannot hold one window of its sliding group (nor one request of the most
     tokens a request holds, where that is fewer pages), a ``kv`` other than those three, or
-    a ``kv`` with an ``executor`` (which makes its own pools)."""
+    a ``kv`` with an ``executor`` (which makes its own pools).
+
+    A model with recurrent layers (``recurrent_layers``, law 6) keeps their states beside the
+    pages: ``state_every`` is ``m``, the positions between two snapshots (by default
+    :func:`state_every` of the model's ``state_bytes()`` against its ``token_bytes``), and
+    ``snapshots`` the snapshot pool's slots (by default one per block of the full group's
+    pages, and one per lane)."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool | str = False, pages: int = 256,
@@ -112,7 +120,8 @@ class Engine:
                  cache: bool = True, policy: Callable = lru, keep_logits: bool = False,
                  clock: str = "seconds", shapes: str | None = None,
                  context: int | None = None, debug: bool = False,
-                 windows: Any = None, kv: str | None = None):
+                 windows: Any = None, kv: str | None = None,
+                 state_every: int | None = None, snapshots: int | None = None):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
         llama.kv_bits(_WHERE, kv)
@@ -134,10 +143,22 @@ class Engine:
         lanes = arguments.integer(_WHERE, "lanes", lanes, least=1)
         chunk = (64 if compile else 256) if chunk is None else \
             arguments.integer(_WHERE, "chunk", chunk, least=1)
-        self.cache = PrefixCache(counts, page_size, policy=policy, windows=self.groups.windows)
+        self.states = _states(model, kv, page_size, counts[0], lanes, state_every, snapshots)
+        self.cache = PrefixCache(counts, page_size, policy=policy, windows=self.groups.windows,
+                                 states=self.states)
         self.scheduler = Scheduler(self.cache, lanes=lanes, chunk=chunk, reuse=cache,
                                    context=context, vocab=getattr(model, "vocab", None),
-                                   longest=getattr(model, "context", None))
+                                   longest=getattr(model, "context", None),
+                                   aligned=bool(getattr(model, "final_states_only", False))
+                                   and self.states is not None,
+                                   lanes_per_prefill=getattr(model, "lanes_per_prefill", None)
+                                   if self.states is not None else None)
+        #: why reuse could not happen, each said once (law 6)
+        self.notes: list[str] = []
+        #: one sequence's state in every recurrent layer (law 6), 0 without
+        self.state_bytes = int(model.state_bytes()) if self.states is not None else 0
+        if self.states is not None and not cache:
+            self._note("the prefix cache is off: every prompt is computed whole")
         several = len(self.groups.windows) > 1
         if executor is None:
             executor = Step(model, backend=backend, device=device, compile=compile,
@@ -145,7 +166,8 @@ class Engine:
                             else counts[0] * page_size,
                             lanes=lanes, chunk=self.scheduler.chunk, page_size=page_size,
                             keep_logits=keep_logits, shapes=shapes, debug=debug,
-                            groups=self.groups if several else None, kv=kv)
+                            groups=self.groups if several else None, kv=kv,
+                            states=self.states)
         self.executor = executor
         self.kv = kv
         self.clock = clock
@@ -179,11 +201,21 @@ class Engine:
                             f"{type(request).__name__}")
         ticket = next(self._order)
         self._open.append(ticket)
+        m = None if self.states is None else self.states[0]
+        if m is not None and self.scheduler.reuse and 0 < len(request.prompt) <= m:
+            self._note(f"a prompt of at most {m} tokens (the snapshots' block) closes no block "
+                       "before its last token, so it is never resumed from the cache")
         if self.scheduler.refusal(request) is not None:
             self._refused.append(self.scheduler.submit(request, 0.0, ticket))
         else:
             heapq.heappush(self._pending, (request.arrival, ticket, request))
         return ticket
+
+    def _note(self, why: str) -> None:
+        """Law 6: why a reuse did not happen, said once (a warning, and the figures')."""
+        if why not in self.notes:
+            self.notes.append(why)
+            warnings.warn(f"cacheidx.serve.Engine: {why}", stacklevel=3)
 
     @property
     def busy(self) -> bool:
@@ -229,7 +261,11 @@ class Engine:
         table, version = ((s.table, s.version) if len(s.tables) == 1
                           else (tuple(s.tables), tuple(s.versions)))
         try:
-            chosen, logits, new = self.executor.run(batch, table, version)
+            if self.states is None:
+                chosen, logits, new = self.executor.run(batch, table, version)
+            else:
+                chosen, logits, new = self.executor.run(batch, table, version,
+                                                        blocks=(s.blocks, s.blocks_version))
         except TableError:
             raise
         except Exception as e:  # law 4: whatever the model raised, it fails its lanes alone
@@ -281,6 +317,13 @@ class Engine:
         ``"int8"``/``"int4"``), and time."""
         f = self.scheduler.figures()
         f["kv"] = self.kv or "float"
+        if self.states is not None:
+            snaps = self.cache.snapshots
+            f["snapshots"] = {"every": self.states[0], "slots": snaps.capacity,
+                              "cached": snaps.cached, "in_use": snaps.in_use,
+                              "evictions": self.cache.snapshot_evictions,
+                              "bytes": self.state_bytes}
+            f["notes"] = list(self.notes)
         seconds = self.now() if self.clock == "seconds" else None
         decode_s = self.timing["decode"]
         f.update({
@@ -303,6 +346,43 @@ class Engine:
         if programs is not None:
             f["programs"] = programs
         return f
+
+
+def state_every(state_bytes: int, token_bytes: int, page_size: int, chunk: int = 1) -> int:
+    """Law 6's ``m``: the smallest multiple of ``page_size`` and ``chunk`` whose tokens' keys
+    and values (``token_bytes`` each, every attention layer's) weigh at least one snapshot
+    (``state_bytes``, every recurrent layer's state of one sequence). A model without
+    attention layers (``token_bytes`` 0) takes 16 pages: there the snapshots are all the
+    cache holds, and a block of 16 pages bounds what a hit recomputes."""
+    unit = math.lcm(int(page_size), int(chunk))
+    if token_bytes <= 0:
+        return unit * max(1, -(-16 * page_size // unit))
+    return unit * max(1, -(-int(state_bytes) // (unit * int(token_bytes))))
+
+
+def _states(model: Any, kv: str | None, page_size: int, pages: int, lanes: int,
+            every: int | None, slots: int | None) -> tuple[int, int] | None:
+    """Law 6: ``(m, snapshot slots)`` for a model with recurrent layers, ``None`` without.
+    Raises naming the argument for an ``m`` that is no multiple of the page size and the
+    model's chunk, or a pool of snapshots smaller than one request's blocks."""
+    if not tuple(getattr(model, "recurrent_layers", ()) or ()):
+        if every is not None or slots is not None:
+            raise ValueError(f"cacheidx.{_WHERE}: state_every and snapshots are for a model "
+                             "with recurrent layers; this one has none")
+        return None
+    chunk = int(getattr(model, "state_chunk", 1) or 1)
+    if every is None:
+        tokens = model.token_bytes(kv) if hasattr(model, "token_bytes") else 0
+        every = state_every(model.state_bytes(), tokens, page_size, chunk)
+    every = arguments.integer(_WHERE, "state_every", every, least=1)
+    unit = math.lcm(page_size, chunk)
+    if every % unit:
+        raise ValueError(f"cacheidx.{_WHERE}: state_every must be a multiple of the page size "
+                         f"({page_size}) and of the model's state_chunk ({chunk}), got {every}")
+    if slots is None:  # every block of a full pool of pages, and a block begun per lane
+        slots = -(-pages * page_size // every) + lanes
+    slots = arguments.integer(_WHERE, "snapshots", slots, least=1)
+    return every, slots
 
 
 def _pools(told: Groups, groups: Groups, pages: Any, page_size: int, longest: int | None

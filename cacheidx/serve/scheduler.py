@@ -47,6 +47,13 @@ call computes) and :mod:`.statistics` (what is counted). Laws, for a
    ends; its result gathers the samples' (:class:`~cacheidx.serve.requests.Result`), and
    it is counted once, failed if a sample failed (its other samples run to their end).
    With sliding groups the samples share as law 5 lets requests share a prefix.
+7. Recurrent layers (the cache's snapshots every ``m`` positions, :mod:`cacheidx.prefix.states`):
+   a request holds a snapshot slot per block of its tokens, named by row ``r`` of
+   :attr:`Scheduler.blocks`; a hit resumes at a block's end whose snapshot is cached. A
+   model whose recurrent kernels give the state after a call's last token alone
+   (``aligned``) has its prefill chunks end at block ends (the batches' law 1), and one
+   whose kernels cannot start a lane from a state behind padding (``lanes_per_prefill``)
+   has that many lanes at most in a prefill call, the oldest first.
 """
 
 from __future__ import annotations
@@ -83,7 +90,8 @@ class Scheduler:
 
     def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
                  context: int | None = None, vocab: int | None = None,
-                 longest: int | None = None):
+                 longest: int | None = None, aligned: bool = False,
+                 lanes_per_prefill: int | None = None):
         if lanes < 1 or chunk < 1 or (context is not None and context < 1):
             raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
                              f"positive, got {lanes}, {chunk} and {context}")
@@ -103,7 +111,11 @@ class Scheduler:
                                    longest=longest, lanes=lanes, reuse=reuse)
         # as wide as ``context`` from the start where given, so the table never grows
         self.slots = SlotTables(len(self.windows), lanes, self.P,
-                                1 if context is None else cache.pages_for(context))
+                                1 if context is None else cache.pages_for(context),
+                                every=cache.every)
+        #: law 7: the block prefill chunks end at, and the most lanes of a prefill call
+        self.align = cache.every if aligned else None
+        self.lanes_per_prefill = lanes_per_prefill
         self.stats = Statistics(self.windows)
         self.running: list[Lane] = []
         self._last_decode: tuple[Lane, ...] = ()
@@ -113,6 +125,8 @@ class Scheduler:
     vocab = _part("admission", "vocab")  #: the model's limits, where it says them
     longest = _part("admission", "longest")
     tables = _part("slots", "tables")
+    blocks = _part("slots", "blocks")
+    blocks_version = _part("slots", "blocks_version")
     version = _part("slots", "version")
     versions = _part("slots", "versions")
     rounds = _part("stats", "rounds")
@@ -205,7 +219,8 @@ class Scheduler:
         return admitted
 
     def _place(self, lane: Lane) -> None:
-        self.slots.place(lane.row, lane.hold.tables or [lane.hold.pages])
+        blocks = lane.hold.groups[-1].table if self.cache.every is not None else None
+        self.slots.place(lane.row, lane.hold.tables or [lane.hold.pages], blocks)
 
     def _slide(self, lanes: tuple[Lane, ...], pos: np.ndarray) -> None:
         """Law 5: before a call of ``lanes`` at positions ``pos`` (-1: padding), each sliding
@@ -225,7 +240,8 @@ class Scheduler:
         lanes = tuple(lane for lane in self.running if lane.prefilling)
         if not lanes:
             return None
-        batch = batches.prefill(lanes, self.chunk)
+        lanes = lanes[: self.lanes_per_prefill]  # law 7 (None: every lane)
+        batch = batches.prefill(lanes, self.chunk, self.align)
         self._slide(lanes, batch.pos)
         return batch
 

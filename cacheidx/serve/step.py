@@ -101,7 +101,8 @@ class Step:
     def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
                  compile: bool | str = False, slots: int | list[int], lanes: int, chunk: int,
                  page_size: int, keep_logits: bool = False, shapes: str | None = None,
-                 debug: bool = False, groups: Groups | None = None, kv: str | None = None):
+                 debug: bool = False, groups: Groups | None = None, kv: str | None = None,
+                 states: tuple[int, int] | None = None):
         llama.kv_bits("serve.Step", kv)
         shapes = shapes or ("buckets" if compile else "exact")
         if shapes not in ("exact", "buckets", "fixed"):
@@ -118,13 +119,24 @@ class Step:
         self.keep_logits, self.debug = keep_logits, bool(debug)
         info = getattr(self.xp, "__array_namespace_info__", None)
         self.int = info().default_dtypes()["integral"] if info else self.xp.int64
-        self.model, self.groups, self.kv = model, groups, kv
+        self.model, self.groups, self.kv, self.states = model, groups, kv, states
         self.weights = model.place(self.xp, self.device)
-        if groups is None:
+        recurrent = set(getattr(model, "recurrent_layers", ()) or ())
+        if groups is None and not recurrent:
             self.pools = _pools(model, self.weights, slots, kv)
-        else:
-            self.pools = _pools(model, self.weights, [slots[g] for g in groups.of_layer], kv)
-            slots = max(slots)
+        else:  # each layer's: its group's pages, or (law 8) a recurrent layer's pair
+            of_layer = groups.of_layer if groups is not None else (0,) * len(
+                getattr(model, "windows", None) or range(max(recurrent) + 1))
+            each = [slots[g] for g in of_layer] if groups is not None else [slots] * len(
+                of_layer)
+            if recurrent:
+                if states is None:
+                    raise ValueError(f"cacheidx.serve.Step: {type(model).__name__} has "
+                                     f"recurrent layers {sorted(recurrent)}: give states "
+                                     "(m, snapshot slots)")
+                each = [(lanes, states[1]) if i in recurrent else n for i, n in enumerate(each)]
+            self.pools = _pools(model, self.weights, each, kv)
+            slots = max(slots) if groups is not None else slots
         pages = len(buckets(max(1, -(-slots // page_size))))
         lane_sizes, token_sizes = len(buckets(lanes)), len(buckets(chunk, 16))
         #: the most programs (shapes) of each call, where bounded
@@ -151,11 +163,13 @@ class Step:
         """Distinct shapes called so far, compiled or not (law 2 bounds them when compiled)."""
         return sum(len(s) for s in self.shapes.values())
 
-    def run(self, batch: Batch, table: np.ndarray | tuple, version: int | tuple
+    def run(self, batch: Batch, table: np.ndarray | tuple, version: int | tuple,
+            blocks: tuple[np.ndarray, int] | None = None
             ) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """``(chosen, logits, new)``: the token each lane chose, its logits where kept, and
         whether the call had a shape not seen before (a compile, where compiled). With
-        groups, ``table`` and ``version`` are tuples of each group's (law 6)."""
+        groups, ``table`` and ``version`` are tuples of each group's (law 6); with states,
+        ``blocks`` is the table of blocks and its version (law 8)."""
         lanes, seq = batch.tokens.shape
         tables, versions = (table, version) if isinstance(table, tuple) else ((table,),
                                                                              (version,))
@@ -189,7 +203,9 @@ class Step:
                 self._check_fed(indices, pos, rows)
         else:
             pos_in, rows_in = self._put("pos", pos, fed and fed.pos), self._put("row", rows)
-            indices = tuple(ci.make(pos_in, t, row=rows_in) for t in now)
+            every = [] if blocks is None else [(self.states[0], self._blocks_of(blocks, columns))]
+            indices = tuple(ci.make(pos_in, t, row=rows_in, every=every if g == 0 else None)
+                            for g, t in enumerate(now))
         index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
             for ix in indices:
@@ -205,8 +221,9 @@ class Step:
             self._fed = None
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
+            carried = None if blocks is not None else indices  # law 8
             self._fed = _Fed(key, chosen, nxt) if self.compiled else _Fed(key, chosen, None,
-                                                                          indices)
+                                                                          carried)
         self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
                       else pools)
         out = self._host(chosen).reshape(-1)[:lanes]
@@ -243,13 +260,21 @@ class Step:
                 return buffer
         return self.backend.refill(buffer, source)
 
-    def _table_of(self, group: int, table: np.ndarray, columns: int, version: int) -> Any:
+    def _blocks_of(self, blocks: tuple[np.ndarray, int], columns: int) -> Any:
+        """Law 8: the table of blocks' first ``ceil(columns / m)`` columns on the device,
+        copied again only when the scheduler changed it."""
+        table, version = blocks
+        width = min(-(-columns // self.states[0]), table.shape[1])
+        return self._table_of(-1, table, width, version, name="blocks")
+
+    def _table_of(self, group: int, table: np.ndarray, columns: int, version: int,
+                  name: str | None = None) -> Any:
         """Group ``group``'s table's first ``columns`` columns on the device, copied again
         only when the scheduler changed it."""
         kept = self._tables.get(group)
         if kept is not None and kept[:2] == (columns, version):
             return kept[2]
-        array = self._put("table" if group == 0 else f"table {group}",
+        array = self._put(name or ("table" if group == 0 else f"table {group}"),
                           np.ascontiguousarray(table[:, :columns]))
         self._tables[group] = (columns, version, array)
         return array

@@ -12,7 +12,12 @@ Laws, for pages of ``P`` tokens:
    longest row fits; growing keeps every row's columns.
 3. ``versions[g]`` is bumped whenever group ``g``'s table changes, ``version`` whenever any
    does: an unchanged version is an unchanged table.
-4. A row belongs to one running request at a time. Rows are given out from row 0 up, and a
+4. With snapshots every ``m`` positions (a model's recurrent layers, :mod:`cacheidx.state`),
+   :attr:`SlotTables.blocks` is one table more: row ``r``, column ``j`` the snapshot slot of
+   block ``j`` (positions ``j*m`` to ``j*m + m - 1``) of the request in row ``r``, -1 where
+   none; ``ceil(width / m)`` columns, growing with the tables. ``blocks_version`` is bumped
+   whenever it changes, and ``version`` with it.
+5. A row belongs to one running request at a time. Rows are given out from row 0 up, and a
    row given back is the next given out (last freed, first taken).
 """
 
@@ -29,13 +34,18 @@ class SlotTables:
     """``groups`` tables of ``lanes`` rows, each ``pages`` pages of ``page_size`` slots wide
     at first (rounded up to a power of two, law 2)."""
 
-    def __init__(self, groups: int, lanes: int, page_size: int, pages: int = 1):
-        self.lanes, self.P = lanes, page_size
+    def __init__(self, groups: int, lanes: int, page_size: int, pages: int = 1,
+                 every: int | None = None):
+        self.lanes, self.P, self.every = lanes, page_size, every
         width = (1 << (pages - 1).bit_length()) * page_size
         #: per group, [lanes, width] slots of each row's positions, -1 where none (law 1)
         self.tables = [np.full((lanes, width), -1, dtype=np.int64) for _ in range(groups)]
+        #: [lanes, ceil(width / every)] snapshot slots of each row's blocks (law 4), or None
+        self.blocks = None if every is None else np.full((lanes, -(-width // every)), -1,
+                                                         dtype=np.int64)
         self.version = 0  #: bumped whenever a table changes (law 3)
         self.versions = [0] * groups  #: the same, per group
+        self.blocks_version = 0  #: the same, of the table of blocks (law 4)
         self._rows = list(range(lanes - 1, -1, -1))  # popped from the end: row 0 first
 
     @property
@@ -44,13 +54,14 @@ class SlotTables:
         return len(self._rows)
 
     def take(self) -> int:
-        """A free row (law 4); ``IndexError`` when none is."""
+        """A free row (law 5); ``IndexError`` when none is."""
         return self._rows.pop()
 
-    def place(self, row: int, tables: Sequence[Sequence[int]]) -> None:
+    def place(self, row: int, tables: Sequence[Sequence[int]],
+              blocks: Sequence[int] | None = None) -> None:
         """Row ``row`` becomes the slots of page tables ``tables`` (one per group, -1 for a
-        page not held), the tables widened first where the first group's pages do not fit
-        (law 2)."""
+        page not held) and, with snapshots, of ``blocks`` (law 4), the tables widened first
+        where the first group's pages do not fit (law 2)."""
         size = len(tables[0]) * self.P
         if size > self.tables[0].shape[1]:
             width = self.tables[0].shape[1]
@@ -60,6 +71,18 @@ class SlotTables:
                 grown = np.full((self.lanes, width), -1, dtype=np.int64)
                 grown[:, : table.shape[1]] = table
                 self.tables[g] = grown
+            if self.blocks is not None:
+                grown = np.full((self.lanes, -(-width // self.every)), -1, dtype=np.int64)
+                grown[:, : self.blocks.shape[1]] = self.blocks
+                self.blocks = grown
+        if self.blocks is not None:
+            given = np.asarray(blocks if blocks is not None else [], dtype=np.int64)
+            if len(given) > self.blocks.shape[1]:
+                raise ValueError(f"cacheidx.serve.SlotTables.place: {len(given)} blocks do not "
+                                 f"fit a table of {self.blocks.shape[1]}")
+            self.blocks[row] = -1
+            self.blocks[row, : len(given)] = given
+            self.blocks_version += 1
         for g, table in enumerate(self.tables):
             pages = np.asarray(tables[g], dtype=np.int64)
             slots = pages[:, None] * self.P + np.arange(self.P)
@@ -83,9 +106,12 @@ class SlotTables:
 
     def clear(self, row: int) -> None:
         """Row ``row``'s request stops running: its columns become -1 in every table and the
-        row is free again (law 4)."""
+        row is free again (law 5)."""
         for g, table in enumerate(self.tables):
             table[row] = -1
             self.versions[g] += 1
+        if self.blocks is not None:
+            self.blocks[row] = -1
+            self.blocks_version += 1
         self.version += 1
         self._rows.append(row)
