@@ -247,7 +247,8 @@ class TransformersModel:
         import torch
 
         now = self.hf.config._attn_implementation
-        if self.kv_heads and not attn.attends_by_index(now):  # the model's own attention would drop the index
+        # the model's own attention would drop the index (a model without attention has none)
+        if self.kv_heads and not attn.attends_by_index(now):
             raise RuntimeError(f"{_WHERE}: {self.name}'s attention implementation is {now!r} "
                                "(set back since it was wrapped), so it would not attend "
                                f"through the index: wrap it again with {_WHERE}")
@@ -264,7 +265,7 @@ class TransformersModel:
             return out.logits[:, -1, :], written
         compiling = torch.compiler.is_compiling()
         if not compiling:
-            states.check_lanes(_FORWARD, index)
+            states.check_lanes(states.FORWARD, index)
         if self.stepwise and tokens.shape[1] > 1 and (compiling or _resumes(first)):
             logits = None
             for t in range(tokens.shape[1]):  # its kernels would drop the start state (law 4)
@@ -371,7 +372,6 @@ class TransformersModel:
         self.stepwise = not _close(whole, split, self.hf.dtype)
 
 
-_FORWARD = "integrations.transformers.TransformersModel.forward"
 _KINDS = ("full_attention", "sliding_attention")
 
 

@@ -42,11 +42,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["ATTENTION", "NOTHING", "CallCache", "Kind", "check_lanes", "layout_of"]
+__all__ = ["ATTENTION", "FORWARD", "NOTHING", "CallCache", "Kind", "check_lanes", "layout_of"]
 
 #: a layer's entry in :func:`layout_of` that keeps keys and values, or nothing
 ATTENTION, NOTHING = "attention", "nothing"
 _WHERE = "cacheidx.integrations.transformers"
+FORWARD = "integrations.transformers.TransformersModel.forward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,7 @@ class CallCache:
                 layers.append(DummyLayer())
             else:
                 ix = self.index_of(i)
+                _check_pools(i, entry, pools[i])
                 layer = LinearAttentionLayer(number_of_states=1 + max(k.index for k in entry))
                 for kind, pools_ in zip(entry, pools[i], strict=True):
                     start = state.start(ix, pools_)
@@ -205,6 +207,26 @@ class CallCache:
                                  else layer.recurrent_states)[kind.index], pools_, donate=True)
                 for kind, pools_ in zip(entry, self.pools[i], strict=True))
         return out
+
+
+def _check_pools(layer: int, kinds: tuple[Kind, ...], pools: Any) -> None:
+    """Raises naming the forward where a recurrent layer's pools are not one
+    :class:`cacheidx.state.Pools` a kind, of its kind's row shape and dtype."""
+    fn = f"cacheidx.{FORWARD}"
+    if not (isinstance(pools, tuple) and len(pools) == len(kinds)):
+        raise TypeError(f"{fn}: layer {layer}'s pools must be a tuple of {len(kinds)} "
+                        f"state.Pools ({', '.join(k.what for k in kinds)}), got "
+                        f"{type(pools).__name__}")
+    for kind, p in zip(kinds, pools, strict=True):
+        if not (isinstance(p, tuple) and len(p) == 2):
+            raise TypeError(f"{fn}: layer {layer}'s {kind.what} pools must be a state.Pools, "
+                            f"got {type(p).__name__}")
+        for name, pool in zip(("running", "snapshots"), p, strict=True):
+            row = tuple(getattr(pool, "shape", ())[1:])
+            if row != kind.shape or getattr(pool, "dtype", None) != kind.dtype:
+                raise ValueError(f"{fn}: layer {layer}'s {kind.what} {name} pool holds "
+                                 f"{getattr(pool, 'dtype', None)} rows of {list(row)}; the "
+                                 f"layer's state is {kind.dtype} of {list(kind.shape)}")
 
 
 def check_lanes(fn: str, index: Any) -> None:

@@ -1,0 +1,282 @@
+"""Hybrid and state-space transformers decoders, their recurrent layers over cacheidx's state
+pools (``cacheidx.state``) and their attention through the index, give transformers' own greedy
+tokens.
+
+Every family of ``hf_hybrids`` (tiny, random, built offline) is compared with its own
+``generate`` (eager attention, its own cache), each prompt alone: through the wrapped model's
+``forward`` over indices built here as an engine builds them (``cacheidx.make(pos, table,
+row=rows, every=[(m, blocks)])``), a prompt prefilled whole or in chunks that end at block
+ends, then decoded with another sequence side by side; a prompt resumed from another one's
+snapshot and pages. Families it cannot serve are refused, naming why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+for _module in ("torch", "transformers"):
+    pytest.importorskip(_module, reason=f"the transformers integration needs `{_module}`")
+
+import torch  # noqa: E402
+from hf_hybrids import FAMILIES, VOCAB, greedy, refused_configs, tiny  # noqa: E402
+
+import cacheidx as ci  # noqa: E402
+from cacheidx import state  # noqa: E402
+from cacheidx.integrations import transformers as cit  # noqa: E402
+
+NEW = 6
+M = 4  # a snapshot every 4 positions (a page's: pages of 4 tokens here)
+CONTEXT = 32  # each sequence's columns
+
+
+def prompts_() -> list[list[int]]:
+    """Prompts of 11 and 7 tokens, and a third that begins with the first's first 8 (two
+    blocks) and goes on with 5 of its own."""
+    rng = np.random.default_rng(3)
+    a, b, c = (rng.integers(0, VOCAB, n).tolist() for n in (11, 7, 5))
+    return [a, b, a[:8] + c]
+
+
+PROMPTS = prompts_()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``reference(name) -> (wrapped, tokens)``: the family's tiny model wrapped, and
+    transformers' greedy tokens for each prompt (computed before the wrap), once a family."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # (the kernels' torch fallbacks warn once)
+    made: dict = {}
+    yield lambda name: made[name] if name in made else made.setdefault(name, _made(name))
+    for wrapped, _ in made.values():
+        wrapped.restore()
+
+
+def _made(name):
+    model = tiny(name)
+    tokens = [greedy(model, p, NEW) for p in PROMPTS]
+    assert all(len(set(t)) > 1 for t in tokens), f"{name}: greedy tokens repeat one id"
+    return cit.model(model), tokens
+
+
+class Served:
+    """Sequences over one set of pools as an engine keeps them: sequence ``r`` is row ``r``
+    of the table (``CONTEXT`` slots from ``r * CONTEXT``; its running state slot ``r``) and
+    of the table of blocks of ``M`` (snapshot slots from ``r * CONTEXT / M``)."""
+
+    def __init__(self, wrapped, rows: int):
+        self.wrapped, self.rows = wrapped, rows
+        per = CONTEXT // M
+        self.table = torch.arange(rows * CONTEXT).reshape(rows, CONTEXT)
+        self.blocks = torch.arange(rows * per).reshape(rows, per)
+        self.pools = wrapped.pools(None, [(rows, rows * per) if i in wrapped.state_kinds
+                                          else rows * CONTEXT
+                                          for i in range(len(wrapped.layout))])
+        self.seqs: dict[int, list[int]] = {}
+
+    def index(self, pos, row):
+        return ci.make(torch.tensor(pos), self.table, row=torch.tensor(row),
+                       every=[(M, self.blocks)])
+
+    def call(self, tokens, pos, row):
+        logits, self.pools = self.wrapped.forward(None, torch.tensor(tokens),
+                                                  self.index(pos, row), self.pools)
+        return logits
+
+    def prefill(self, r, prompt, cuts=None, start=0):
+        """Sequence ``r``'s prompt from position ``start`` on, one lane a call, in the chunks
+        ``cuts`` names (each chunk's end; the prompt's end last); its first greedy token."""
+        self.seqs[r] = list(prompt)
+        ends = [len(prompt)] if cuts is None else list(cuts)
+        for a, b in zip([start] + ends, ends, strict=False):
+            logits = self.call([prompt[a:b]], [list(range(a, b))], [r])
+        self.seqs[r].append(int(logits[0].argmax()))
+
+    def decode(self, new):
+        """Every sequence side by side, one token a call, until each has ``new`` tokens past
+        its prompt; a lane whose sequence has them is padding (position -1, row -1)."""
+        rows = sorted(self.seqs)
+        out = {r: [self.seqs[r][-1]] for r in rows}
+        while any(len(out[r]) < new for r in rows):
+            live = [len(out[r]) < new for r in rows]
+            tokens = [[self.seqs[r][-1] if ok else 0] for r, ok in zip(rows, live, strict=True)]
+            pos = [[len(self.seqs[r]) - 1 if ok else -1] for r, ok in zip(rows, live, strict=True)]
+            row = [r if ok else -1 for r, ok in zip(rows, live, strict=True)]
+            logits = self.call(tokens, pos, row)
+            for b, r in enumerate(rows):
+                if live[b]:
+                    chosen = int(logits[b].argmax())
+                    self.seqs[r].append(chosen)
+                    out[r].append(chosen)
+        return [out[r] for r in rows]
+
+
+# -- transformers' tokens ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_gives_transformers_greedy_tokens(name, reference):
+    """Two prompts of 11 and 7 tokens, each prefilled whole into its own row, then decoded
+    side by side (the second lane padding once it has its tokens): each gets the tokens it
+    gets alone from transformers' own ``generate``."""
+    wrapped, want = reference(name)
+    assert wrapped.recurrent_layers and wrapped.final_states_only
+    assert wrapped.lanes_per_prefill == 1
+    served = Served(wrapped, 2)
+    served.prefill(0, PROMPTS[0])
+    served.prefill(1, PROMPTS[1])
+    assert served.decode(NEW) == want[:2]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chunks_that_end_at_block_ends_give_the_same_tokens_and_snapshots(name, reference):
+    """The 11-token prompt in chunks of 4, 4 and 3 (each but the last closing a block of
+    ``M``): the same tokens; the snapshots of blocks 0 and 1 are the running states after 4
+    and 8 tokens computed whole (law 2 of ``cacheidx.state``), and block 4's slot, which no
+    token closed (the last decoded token fed sits at position 15), holds zeros."""
+    wrapped, want = reference(name)
+    served = Served(wrapped, 1)
+    served.prefill(0, PROMPTS[0], cuts=[4, 8, 11])
+    assert served.decode(NEW) == want[:1]
+    for end, block in ((4, 0), (8, 1)):
+        whole = Served(wrapped, 1)
+        whole.prefill(0, PROMPTS[0][:end])
+        for layer in wrapped.recurrent_layers:
+            for kind, mine, theirs in zip(wrapped.state_kinds[layer], served.pools[layer],
+                                          whole.pools[layer], strict=True):
+                torch.testing.assert_close(mine.snapshots[block], theirs.running[0],
+                                           rtol=1e-4, atol=1e-4,
+                                           msg=f"{name} layer {layer} {kind.what} {block}")
+    for layer in wrapped.recurrent_layers:
+        for p in served.pools[layer]:
+            assert p.snapshots[3].any() and not p.snapshots[4].any()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_prompt_resumed_from_another_ones_snapshot_gives_the_same_tokens(name, reference):
+    """The third prompt shares the first's first 8 tokens: its row's first 8 columns name the
+    first's slots and its blocks 0 and 1 the first's snapshots, so only its last 5 tokens are
+    computed, from the snapshot of block 1 (its own running slot holds zeros). It gets
+    transformers' tokens for the whole prompt, and the first's pages and snapshots are as
+    they were."""
+    wrapped, want = reference(name)
+    served = Served(wrapped, 2)
+    served.prefill(0, PROMPTS[0], cuts=[4, 8, 11])
+    served.table[1, :8] = served.table[0, :8]
+    served.blocks[1, :2] = served.blocks[0, :2]
+    kept = [[p.snapshots[:2].clone() for p in served.pools[i]] for i in wrapped.recurrent_layers]
+    served.prefill(1, PROMPTS[2], start=8)
+    assert served.decode(NEW) == [want[0], want[2]]
+    for i, layer in enumerate(wrapped.recurrent_layers):
+        for before, p in zip(kept[i], served.pools[layer], strict=True):
+            assert torch.equal(before, p.snapshots[:2])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba2", "lfm2"])
+def test_a_zero_start_is_no_previous_state(name, reference):
+    """A recurrent layer is always told it has a previous state; from zero pools the logits
+    of a prompt's call are transformers' own without any cache."""
+    wrapped, _ = reference(name)
+    served = Served(wrapped, 1)
+    prompt = PROMPTS[0]
+    logits = served.call([prompt], [list(range(len(prompt)))], [0])
+    with torch.no_grad():
+        own = wrapped.hf(torch.tensor([prompt]), use_cache=False).logits[:, -1]
+    torch.testing.assert_close(logits, own, rtol=1e-4, atol=1e-4)
+
+
+# -- what each keeps ---------------------------------------------------------------------------
+def test_each_family_says_its_layers_and_the_bytes_of_its_states(reference):
+    """Which layers are recurrent, each kind's row shape (transformers' own cache's, less its
+    batch axis), and the bytes a sequence's states take (float32 here)."""
+    want = {
+        # conv window [2 * keys + values, kernel] and delta-rule state [v heads, d_k, d_v]
+        "qwen3_5": ((0, 2), [(64, 4), (4, 8, 8)]),
+        "lfm2": ((0, 2), [(32, 3)]),
+        # Mamba 2: conv [intermediate + 2 * groups * d_state, kernel], SSM [heads, d_head, d_state]
+        "bamba": ((0,), [(80, 4), (4, 16, 8)]),
+        "mamba2": ((0, 1), [(80, 4), (4, 16, 8)]),
+        # Mamba: conv [intermediate, kernel], SSM [intermediate, d_state]
+        "mamba": ((0, 1), [(64, 4), (64, 8)]),
+        "nemotron_h": ((0,), [(80, 4), (4, 16, 8)]),
+    }
+    for name, (layers, shapes) in want.items():
+        wrapped, _ = reference(name)
+        assert wrapped.recurrent_layers == layers, name
+        assert [k.shape for k in wrapped.state_kinds[layers[0]]] == shapes, name
+        per_layer = sum(4 * int(np.prod(s)) for s in shapes)
+        assert wrapped.state_bytes() == len(layers) * per_layer, name
+    nemotron, _ = reference("nemotron_h")
+    assert nemotron.layout[1] == nemotron.layout[3] == "nothing"  # its MLP and MoE layers
+    assert [p for p in nemotron.pools(None, [(1, 0), 4, 4, 4])[1]] == []
+    assert reference("mamba")[0].stepwise and not reference("qwen3_5")[0].stepwise
+    assert reference("mamba")[0].token_bytes() == 0
+
+
+# -- what it refuses ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(refused_configs()))
+def test_a_layer_keeping_keys_and_a_state_is_refused(name):
+    model = tiny(name)
+    with pytest.raises(ValueError, match="keeps both keys and values and a recurrent state "
+                                         r"\(LinearAttentionAndFullAttentionLayer\)"):
+        cit.model(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_a_model_whose_state_does_not_carry_is_refused():
+    """A Gated DeltaNet whose layer stores its state but never reads it back (its cache says
+    it has none): a prompt computed whole and one token a call differ, so it is refused at
+    wrap time."""
+    model = tiny("qwen3_5")
+    cache_type = type(model.model.layers[0].linear_attn)
+    forward = cache_type.forward
+
+    class Forgetful:
+        def __init__(self, cache):
+            self.cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def get_conv_state(self, *args, **kwargs):
+            return None
+
+        get_recurrent_state = get_conv_state
+
+    def forgetting(self, hidden_states, cache=None, attention_mask=None, **kw):
+        return forward(self, hidden_states, cache and Forgetful(cache), attention_mask, **kw)
+
+    cache_type.forward = forgetting
+    try:
+        with pytest.raises(ValueError, match="recurrent layers do not carry their state from "
+                                             "one call to the next"):
+            cit.model(model)
+    finally:
+        cache_type.forward = forward
+    assert model.config._attn_implementation == "eager"
+
+
+def test_bad_lanes_and_slots_are_refused(reference):
+    wrapped, _ = reference("qwen3_5")
+    served = Served(wrapped, 2)
+    with pytest.raises(ValueError, match="TransformersModel.forward: lane 1 holds padding "
+                                         r"beside its valid tokens \(positions \[-1, 0\]\)"):
+        served.call([[1, 2], [0, 3]], [[0, 1], [-1, 0]], [0, 1])
+    with pytest.raises(TypeError, match="layer 0 of Qwen3_5ForCausalLM is recurrent: its "
+                                        "slots are a pair"):
+        wrapped.pools(None, 4)
+    with pytest.raises(TypeError, match="layer 1 of Qwen3_5ForCausalLM attends: its slots "
+                                        r"are a number, got \(4, 0\)"):
+        wrapped.pools(None, [(4, 0)] * 4)
+    with pytest.raises(ValueError, match="slots names 2 layers; Qwen3_5ForCausalLM has 4"):
+        wrapped.pools(None, [4, 4])
+    pools = list(served.pools)
+    pools[0] = (state.Pools(torch.zeros(2, 3), torch.zeros(8, 3)), pools[0][1])
+    with pytest.raises(ValueError, match=r"forward: layer 0's conv running pool holds "
+                                         r"torch.float32 rows of \[3\]; the layer's state is "
+                                         r"torch.float32 of \[64, 4\]"):
+        wrapped.forward(None, torch.tensor([[1]]), served.index([[0]], [0]), pools)
+    pools[0] = pools[0][:1]
+    with pytest.raises(TypeError, match="layer 0's pools must be a tuple of 2 state.Pools "
+                                        r"\(conv, recurrent\), got tuple"):
+        wrapped.forward(None, torch.tensor([[1]]), served.index([[0]], [0]), pools)
