@@ -112,7 +112,8 @@ class Engine:
     pages: ``state_every`` is ``m``, the positions between two snapshots (by default
     :func:`state_every` of the model's ``state_bytes()`` against its ``token_bytes``), and
     ``snapshots`` the snapshot pool's slots (by default one per block of the full group's
-    pages, and one per lane)."""
+    pages, and one per lane). An ``executor`` that computes recurrent layers is told
+    ``state_every``, and its ``run`` is given the table of blocks (``blocks=``)."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool | str = False, pages: int = 256,
@@ -156,7 +157,8 @@ class Engine:
         #: why reuse could not happen, each said once (law 6)
         self.notes: list[str] = []
         #: one sequence's state in every recurrent layer (law 6), 0 without
-        self.state_bytes = int(model.state_bytes()) if self.states is not None else 0
+        self.state_bytes = int(model.state_bytes()) if self.states is not None and hasattr(
+            model, "state_bytes") else 0
         if self.states is not None and not cache:
             self._note("the prefix cache is off: every prompt is computed whole")
         several = len(self.groups.windows) > 1
@@ -365,7 +367,9 @@ def _states(model: Any, kv: str | None, page_size: int, pages: int, lanes: int,
     """Law 6: ``(m, snapshot slots)`` for a model with recurrent layers, ``None`` without.
     Raises naming the argument for an ``m`` that is no multiple of the page size and the
     model's chunk, or a pool of snapshots smaller than one request's blocks."""
-    if not tuple(getattr(model, "recurrent_layers", ()) or ()):
+    if model is None and every is not None:  # an executor's recurrent layers: told m
+        pass
+    elif not tuple(getattr(model, "recurrent_layers", ()) or ()):
         if every is not None or slots is not None:
             raise ValueError(f"cacheidx.{_WHERE}: state_every and snapshots are for a model "
                              "with recurrent layers; this one has none")
