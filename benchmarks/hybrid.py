@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         extra = r.get("over_attention_per_request")
         print(f"| {r['policy']} | {r['computed']} | {'' if extra is None else f'+{extra}'} | "
               f"{r['computed'] / aligned:.2f}x |")
-    print("\n| model | snapshot (all recurrent layers) | keys and values a token | m (pages of 16) |")
+    print("\n| model | snapshot (all recurrent layers) | keys and values a token "
+          "| m (pages of 16) |")
     print("|---|---|---|---|")
     ms = []
     for name, att, kv, dim, rec, state in MODELS:
