@@ -230,7 +230,7 @@ class CacheIndex:
                              f"(it has {[b for b, _ in self.blocks]})")
         return dataclasses.replace(self, block=m)
 
-    def advance(self, table: Any = None) -> CacheIndex:
+    def advance(self, table: Any = None, blocks: Any = None) -> CacheIndex:
         """The index of the next token of every lane: ``seq`` is 1 and the position is one
         past the lane's greatest (a lane of padding advances to 0). Keeps the window and the
         block size, drops the selection and the draft. The plan's parts follow where they can
@@ -243,37 +243,58 @@ class CacheIndex:
         ``table`` may be wider, its new columns read as they are); a table changed at an old
         column, or narrower, gets a plan made anew.
 
+        ``blocks`` (with ``table``, where the index has tables of blocks: the engine's
+        snapshots) are its tables of blocks after the scheduler wrote to them, one per ``m``
+        in order, checked as ``table`` is; they take the old ones' place, and a plan's part
+        that reads them is made anew.
+
         Raises on a whole or packed index; with ``table``, if it is not an array of the
         index's library and dtype, of 2 axes and as many rows as the index's table, on its
-        device, or if the index reads tables of blocks (they would not follow ``table``)."""
+        device, or if the index reads tables of blocks and ``blocks`` does not give one for
+        each (they would not follow ``table``)."""
         if self.kind != "tabled":
             what = "no table to advance over" if table is not None else "no next token"
             raise arguments.fail("advance", f"a {self.kind} index has {what}")
+        if blocks is not None and table is None:
+            raise arguments.fail("advance", "blocks come with the table they follow: give "
+                                 "table= too")
         if table is not None:
-            self._check_next_table(table)
+            self._check_next_table(table, blocks)
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
         nxt = dataclasses.replace(self, pos=xp.clip(last, -1, None) + 1, columns=None,
                                   draft_slots=None, draft_sees=None,
-                                  table=self.table if table is None else table)
+                                  table=self.table if table is None else table,
+                                  blocks=self.blocks if blocks is None else tuple(
+                                      (m, b) for (m, _), b in zip(self.blocks, blocks)))
         if not self.backend.tracing(self.pos):  # the parts that follow from this plan's
             object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
         return nxt
 
-    def _check_next_table(self, table: Any) -> None:
-        """Raises naming ``cacheidx.advance`` where ``table`` cannot replace the index's."""
-        if not self.backend.same_library(table):
-            raise TypeError(f"cacheidx.advance: table must be an array of the index's library "
-                            f"({self.backend.name}), got {type(table).__name__}")
-        if self.blocks:
-            raise arguments.fail("advance", "the index reads tables of blocks of "
-                                 f"{[m for m, _ in self.blocks]} positions, which a new table "
-                                 "would not follow")
-        arguments.array("advance", "table", table, self.xp, (int(self.table.shape[0]), None))
-        if table.dtype != self.table.dtype:
-            raise TypeError(f"cacheidx.advance: table holds {table.dtype} but the index's "
-                            f"table {self.table.dtype}")
-        arguments.one_device("advance", [("the index's table", self.table), ("table", table)])
+    def _check_next_table(self, table: Any, blocks: Any = None) -> None:
+        """Raises naming ``cacheidx.advance`` where ``table`` (and ``blocks``) cannot replace
+        the index's."""
+        given = [("table", table, self.table)]
+        if self.blocks or blocks is not None:
+            blocks = list(blocks) if blocks is not None else []
+            if len(blocks) != len(self.blocks):
+                raise arguments.fail("advance", "the index reads tables of blocks of "
+                                     f"{[m for m, _ in self.blocks]} positions, which a new "
+                                     f"table would not follow: give blocks= ({len(blocks)} "
+                                     "given), one for each")
+            given += [(f"the table of blocks of {m}", b, old)
+                      for (m, old), b in zip(self.blocks, blocks)]
+        rows = int(self.table.shape[0])
+        for name, new, old in given:
+            if not self.backend.same_library(new):
+                raise TypeError(f"cacheidx.advance: {name} must be an array of the index's "
+                                f"library ({self.backend.name}), got {type(new).__name__}")
+            arguments.array("advance", name, new, self.xp, (rows, None))
+            if new.dtype != old.dtype:
+                raise TypeError(f"cacheidx.advance: {name} holds {new.dtype} but the index's "
+                                f"{old.dtype}")
+        arguments.one_device("advance", [("the index's table", self.table),
+                                         *((name, new) for name, new, _ in given)])
 
     def to_device(self, device: Any) -> CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``

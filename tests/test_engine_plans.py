@@ -181,6 +181,23 @@ def test_advance_over_a_bad_table_raises_naming_advance(lib):
     blocks = ci.make(pos, table, every=[(4, quarter)])
     with pytest.raises(ValueError, match=r"cacheidx\.advance: .*tables of blocks of \[4\]"):
         blocks.advance(table=blocks.table)
+    with pytest.raises(ValueError, match=r"cacheidx\.advance: blocks come with the table"):
+        blocks.advance(blocks=[quarter])
+    with pytest.raises(ValueError, match=r"cacheidx\.advance: the table of blocks of 4 must "
+                                         r"have shape \[3, \?\]"):
+        blocks.advance(table=blocks.table, blocks=[arrays(lib, TABLE[:2, :2])[0]])
+
+
+def test_advance_takes_the_tables_of_blocks_the_scheduler_wrote():
+    """``advance(table=, blocks=)``: the next token's index over the new table and tables of
+    blocks (the engine's snapshots), the positions one on."""
+    pos, table = np.array([[3], [5]]), np.arange(16, dtype=np.int64).reshape(2, 8)
+    blocks = np.array([[0, 1], [2, -1]])
+    ix = ci.make(pos, table, every=[(4, blocks)])
+    grown = np.array([[0, 1], [2, 3]])
+    nxt = ix.advance(table=table.copy(), blocks=[grown])
+    assert nxt.pos.tolist() == [[4], [6]] and nxt.blocks[0][0] == 4
+    assert nxt.blocks[0][1] is grown and ix.blocks[0][1] is blocks
 
 
 def test_a_lane_of_padding_advanced_reads_nothing():

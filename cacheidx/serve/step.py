@@ -198,7 +198,9 @@ class Step:
         now = [self._table_of(g, t, columns, v)
                for g, (t, v) in enumerate(zip(tables, versions, strict=True))]
         if fed is not None and fed.indices is not None:  # eagerly, the plan carried (law 4)
-            indices = tuple(ix.advance(table=t) for ix, t in zip(fed.indices, now, strict=True))
+            new_blocks = None if blocks is None else [self._blocks_of(blocks, columns)]
+            indices = tuple(ix.advance(table=t, blocks=new_blocks if g == 0 else None)
+                            for g, (ix, t) in enumerate(zip(fed.indices, now, strict=True)))
             if self.debug:
                 self._check_fed(indices, pos, rows)
         else:
@@ -221,9 +223,8 @@ class Step:
             self._fed = None
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
-            carried = None if blocks is not None else indices  # law 8
             self._fed = _Fed(key, chosen, nxt) if self.compiled else _Fed(key, chosen, None,
-                                                                          carried)
+                                                                          indices)
         self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
                       else pools)
         out = self._host(chosen).reshape(-1)[:lanes]
