@@ -7,7 +7,9 @@ Every family of ``hf_hybrids`` (tiny, random, built offline) is compared with it
 ``forward`` over indices built here as an engine builds them (``cacheidx.make(pos, table,
 row=rows, every=[(m, blocks)])``), a prompt prefilled whole or in chunks that end at block
 ends, then decoded with another sequence side by side; a prompt resumed from another one's
-snapshot and pages. Families it cannot serve are refused, naming why.
+snapshot and pages; and served by the engine (``cacheidx.serve.Engine``, ``cit.generate``) with
+the prefix cache on, off and under eviction. Families it cannot serve are refused, naming
+why.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from hf_hybrids import FAMILIES, VOCAB, greedy, refused_configs, tiny  # noqa: E
 import cacheidx as ci  # noqa: E402
 from cacheidx import state  # noqa: E402
 from cacheidx.integrations import transformers as cit  # noqa: E402
+from cacheidx.serve import Engine, Request  # noqa: E402
 
 NEW = 6
-M = 4  # a snapshot every 4 positions (a page's: pages of 4 tokens here)
+PAGE = 4
+M = 4  # a snapshot every 4 positions (a page's)
 CONTEXT = 32  # each sequence's columns
 
 
@@ -183,6 +187,56 @@ def test_a_zero_start_is_no_previous_state(name, reference):
     with torch.no_grad():
         own = wrapped.hf(torch.tensor([prompt]), use_cache=False).logits[:, -1]
     torch.testing.assert_close(logits, own, rtol=1e-4, atol=1e-4)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+def engine_run(wrapped, prompts, *, cache=True, repeat=1, **options):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the engine's notes
+        engine = Engine(wrapped, backend="torch", page_size=PAGE, clock="steps", debug=True,
+                        cache=cache, state_every=M,
+                        **{"pages": 32, "lanes": 3, "chunk": 4, **options})
+        results = engine.run([Request(k, p, NEW) for k, p in enumerate(prompts * repeat)])
+    assert [r.error for r in results] == [None] * len(results)
+    engine.cache.check()
+    return results, engine.figures()
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_engine_gives_transformers_greedy_tokens(name, cache, reference):
+    """The three prompts served together by the engine (pages of 4, a snapshot every 4
+    positions, chunks of 4, three lanes): each gets transformers' tokens; with the prefix
+    cache the third resumes from the first's pages and its snapshot of block 1 (8 tokens),
+    without it every prompt is computed whole."""
+    wrapped, want = reference(name)
+    results, f = engine_run(wrapped, PROMPTS, cache=cache)
+    assert [r.tokens for r in results] == want
+    assert [r.cached_tokens for r in results] == ([0, 0, 8] if cache else [0, 0, 0])
+    assert f["snapshots"]["every"] == M
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba", "lfm2"])
+def test_the_engine_under_eviction_of_snapshots_gives_the_same_tokens(name, reference):
+    """The prompts three times over a pool of 8 snapshots and 10 pages: snapshots and pages
+    are evicted, and every request still gets transformers' tokens."""
+    wrapped, want = reference(name)
+    results, f = engine_run(wrapped, PROMPTS, repeat=3, snapshots=8, pages=10)
+    assert [r.tokens for r in results] == want * 3
+    assert f["snapshots"]["evictions"] > 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba2"])
+def test_generate_gives_transformers_greedy_tokens(name, reference):
+    """``cit.generate`` (the engine's default snapshot block and pools) with the prefix cache
+    on and off."""
+    wrapped, want = reference(name)
+    for cache in (True, False):
+        assert cit.generate(wrapped.hf, PROMPTS, max_new_tokens=NEW, page_size=PAGE,
+                            cache=cache, lanes=2) == want
 
 
 # -- what each keeps ---------------------------------------------------------------------------
