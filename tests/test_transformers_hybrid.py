@@ -239,6 +239,27 @@ def test_generate_gives_transformers_greedy_tokens(name, reference):
                             cache=cache, lanes=2) == want
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
+def test_compiled_decode_is_one_program_and_gives_transformers_tokens(name, reference):
+    """``torch.compile(fullgraph=True)`` of the wrapped forward (its ``eager`` backend): dynamo
+    captures the call's cache and the modeling code whole, and one program serves every
+    decode call of both lanes."""
+    wrapped, want = reference(name)
+    backend = ci.backends.get("torch")
+    served = Served(wrapped, 2)
+    served.prefill(0, PROMPTS[0])
+    served.prefill(1, PROMPTS[1])
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
+        before = backend.programs(wrapped.forward)
+        eager, served.wrapped = wrapped, type("Compiled", (), {"forward": staticmethod(
+            torch.compile(wrapped.forward, backend="eager", fullgraph=True, dynamic=False))})
+        try:
+            assert served.decode(NEW) == want[:2]
+        finally:
+            served.wrapped = eager
+        assert backend.programs(wrapped.forward) == before + 1
+
+
 # -- what each keeps ---------------------------------------------------------------------------
 def test_each_family_says_its_layers_and_the_bytes_of_its_states(reference):
     """Which layers are recurrent, each kind's row shape (transformers' own cache's, less its
@@ -265,6 +286,25 @@ def test_each_family_says_its_layers_and_the_bytes_of_its_states(reference):
     assert [p for p in nemotron.pools(None, [(1, 0), 4, 4, 4])[1]] == []
     assert reference("mamba")[0].stepwise and not reference("qwen3_5")[0].stepwise
     assert reference("mamba")[0].token_bytes() == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
+def test_a_lane_padded_beside_its_tokens_is_computed_one_token_a_call(name, reference):
+    """Two prompts of 11 and 7 tokens side by side, the second left padded, then a chunk of
+    each resumed, the first right padded and the second left padded: the modeling code would
+    take the padding into its states, so each call is computed a column at a time, and each
+    sequence gets the tokens it gets alone."""
+    wrapped, want = reference(name)
+    served = Served(wrapped, 2)
+    a, b = PROMPTS[0], PROMPTS[1]
+    served.call([a[:8], [0, 0, 0, 0] + b[:4]], [list(range(8)), [-1] * 4 + list(range(4))],
+                [0, 1])
+    logits = served.call([a[8:10] + [0, 0], [0] + b[4:]], [[8, 9, -1, -1], [-1, 4, 5, 6]],
+                         [0, 1])
+    first = int(logits[1].argmax())  # (the first lane's last column is padding: its token next)
+    logits = served.call([[a[10]], [0]], [[10], [-1]], [0, 1])
+    served.seqs = {0: a + [int(logits[0].argmax())], 1: b + [first]}
+    assert served.decode(NEW) == want[:2]
 
 
 # -- what it refuses ----------------------------------------------------------------------------
@@ -313,9 +353,6 @@ def test_a_model_whose_state_does_not_carry_is_refused():
 def test_bad_lanes_and_slots_are_refused(reference):
     wrapped, _ = reference("qwen3_5")
     served = Served(wrapped, 2)
-    with pytest.raises(ValueError, match="TransformersModel.forward: lane 1 holds padding "
-                                         r"beside its valid tokens \(positions \[-1, 0\]\)"):
-        served.call([[1, 2], [0, 3]], [[0, 1], [-1, 0]], [0, 1])
     with pytest.raises(TypeError, match="layer 0 of Qwen3_5ForCausalLM is recurrent: its "
                                         "slots are a pair"):
         wrapped.pools(None, 4)

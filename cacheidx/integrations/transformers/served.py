@@ -39,11 +39,16 @@ Laws:
    ``cacheidx.state.store(index, final, pools)`` (``index`` the layer's), through a
    transformers ``Cache`` of the call (:class:`~.states.CallCache`). transformers' kernels give
    a call's final state alone, so the model says ``final_states_only`` (a caller cuts its
-   chunks to end at a snapshot's block end) and ``lanes_per_prefill = 1`` (a lane is wholly
-   valid or wholly padding: :func:`~.states.check_lanes` raises otherwise). Where the model's
-   own kernels ignore a state a multi-token call starts from (Mamba's and Falcon-Mamba's scan),
-   such a call is computed one token a call (``stepwise``), which the wrap-time check finds.
-   A model without recurrent layers has none of this: ``recurrent_layers`` is ``()``.
+   chunks to end at a snapshot's block end). Its kernels mask no padding out of a state, so
+   a multi-token call is computed one token a call (each column a call of its own, where a
+   lane's padding stores nothing) wherever a lane holds padding beside valid tokens
+   (:func:`~.states.mixed`), wherever the model's own kernels drop the state a multi-token call
+   starts from (``stepwise``: Mamba's and Falcon-Mamba's scan, which the wrap-time check
+   finds) and the call resumes one, and always when traced (a compiled call cannot look at
+   its values: a compiled prefill of ``seq`` columns is ``seq`` calls in one program). Hence
+   ``lanes_per_prefill = 1``: one lane a prefill, unpadded where the caller's shapes are its
+   own, computes its chunk in one call. A model without recurrent layers has none of this:
+   ``recurrent_layers`` is ``()``.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ class TransformersModel:
             raise
 
     #: read by the engine for a model with recurrent layers (law 4): transformers' kernels give
-    #: a call's final state alone, and padding would flow into a state
+    #: a call's final state alone, and a lane padded beside its tokens is computed stepwise
     final_states_only = True
     lanes_per_prefill = 1
 
@@ -263,12 +268,11 @@ class TransformersModel:
                               position_ids=first.positions(), use_cache=False, logits_to_keep=1,
                               **{attn.INDEX: index, attn.POOLS: written})
             return out.logits[:, -1, :], written
-        compiling = torch.compiler.is_compiling()
-        if not compiling:
-            states.check_lanes(states.FORWARD, index)
-        if self.stepwise and tokens.shape[1] > 1 and (compiling or _resumes(first)):
+        # (law 4) a traced call cannot look at its values, so it steps whenever it could need to
+        if tokens.shape[1] > 1 and (torch.compiler.is_compiling() or states.mixed(index) or
+                                    (self.stepwise and _resumes(first))):
             logits = None
-            for t in range(tokens.shape[1]):  # its kernels would drop the start state (law 4)
+            for t in range(tokens.shape[1]):
                 logits, written = self._call(tokens[:, t:t + 1], _column(index, t), written,
                                              unread)
             return logits, written

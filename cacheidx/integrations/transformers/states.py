@@ -23,10 +23,10 @@ Laws:
    the state after the call's last token alone, so a caller cuts its chunks to end where a
    snapshot's block ends).
 3. **Order.** A lane's valid tokens are a chunk of its sequence (:mod:`cacheidx.state`'s law
-   3), and a lane of a recurrent model is wholly valid or wholly padding: the modeling code
-   masks no padding out of a state (cacheidx passes it no 2D mask), so padding beside valid
-   tokens would flow into the state. :func:`check_lanes` raises where it would; a compiled
-   call cannot look at values, and there it is the caller's obligation.
+   3), and a call of this cache has no lane that holds padding beside valid tokens
+   (:func:`mixed`): the modeling code masks no padding out of a state (cacheidx passes it no
+   2D mask), so such padding would flow into the state. The wrapper computes such a call one
+   column a call instead (:class:`~.served.TransformersModel`, law 4).
 
 Private transformers API used, and why: ``LinearAttentionLayer``'s attributes
 ``conv_states``, ``recurrent_states``, ``is_conv_states_initialized``,
@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["ATTENTION", "FORWARD", "NOTHING", "CallCache", "Kind", "check_lanes", "layout_of"]
+__all__ = ["ATTENTION", "FORWARD", "NOTHING", "CallCache", "Kind", "layout_of", "mixed"]
 
 #: a layer's entry in :func:`layout_of` that keeps keys and values, or nothing
 ATTENTION, NOTHING = "attention", "nothing"
@@ -229,16 +229,12 @@ def _check_pools(layer: int, kinds: tuple[Kind, ...], pools: Any) -> None:
                                  f"layer's state is {kind.dtype} of {list(kind.shape)}")
 
 
-def check_lanes(fn: str, index: Any) -> None:
-    """Raises ``ValueError`` naming ``fn`` and the lane where a lane of ``index`` holds both
-    valid tokens and padding (law 3). Reads the index's values: never call it traced."""
+def mixed(index: Any) -> bool:
+    """Whether a lane of ``index`` (or of any of a list's) holds both valid tokens and padding
+    (law 3). Reads the index's values on the host: never call it traced."""
     indices = index if isinstance(index, list) else [index]
     for ix in {id(i): i for i in indices}.values():
         valid = ix.valid
-        mixed = (valid.any(dim=1) & ~valid.all(dim=1)).nonzero()
-        if mixed.numel():
-            lane = int(mixed[0, 0])
-            raise ValueError(f"cacheidx.{fn}: lane {lane} holds padding beside its valid "
-                             f"tokens (positions {ix.pos[lane].tolist()}): a recurrent layer "
-                             "would take the padding into its state; a lane of a recurrent "
-                             "model is wholly valid or wholly padding")
+        if bool((valid.any(dim=1) & ~valid.all(dim=1)).any()):
+            return True
+    return False
