@@ -371,3 +371,24 @@ def test_bad_lanes_and_slots_are_refused(reference):
     with pytest.raises(TypeError, match="layer 0's pools must be a tuple of 2 state.Pools "
                                         r"\(conv, recurrent\), got tuple"):
         wrapped.forward(None, torch.tensor([[1]]), served.index([[0]], [0]), pools)
+
+
+# -- the serve command ----------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
+def test_the_serve_command_serves_a_saved_hybrid(name, reference, tmp_path, capsys):
+    """``python -m cacheidx.serve --model FOLDER`` of a folder ``save_pretrained`` wrote: the
+    command's tokens are transformers' greedy ones."""
+    import json
+
+    from cacheidx.serve.__main__ import main
+
+    wrapped, want = reference(name)
+    wrapped.hf.save_pretrained(tmp_path / name)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps({"id": k, "prompt_ids": p})
+                                  for k, p in enumerate(PROMPTS)) + "\n")
+    assert main([str(requests), "--model", str(tmp_path / name), "--json", "--page-size", "4",
+                 "--max-new-tokens", str(NEW)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in out["requests"]] == want
