@@ -17,6 +17,7 @@ is what transformers uses; ``cacheidx.models.gguf`` converts a GGUF file's inter
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from array_api_compat import array_namespace
 
 from ..attention import layout as pool_layout
 from ..attention.softmax import reference
+from . import deltanet
 
 __all__ = [
     "Config",
@@ -32,6 +34,7 @@ __all__ = [
     "empty_pools",
     "forward",
     "kv_bits",
+    "linear_layer",
     "matmul",
     "random_params",
     "rms_norm",
@@ -67,6 +70,16 @@ class Config:
     #: each layer's sliding window (``None``: the layer reads every position); ``None``:
     #: every layer full. :func:`forward` passes ``index.window(w)`` to a layer of window ``w``
     windows: tuple[int | None, ...] | None = None
+    #: each layer's kind: ``"attention"``, or ``"linear_attention"``, a Gated DeltaNet token
+    #: mixer (:mod:`cacheidx.models.deltanet`) whose states are pools under the index
+    #: (:mod:`cacheidx.state`); ``None``: every layer attends
+    layer_types: tuple[str, ...] | None = None
+    #: a linear-attention layer's sizes (:class:`cacheidx.models.deltanet.Shape`)
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_key_dim: int = 8
+    linear_value_dim: int = 8
+    linear_kernel: int = 4
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -97,11 +110,40 @@ class Config:
                     raise ValueError(f"cacheidx.models.llama.Config: windows[{i}] must be None "
                                      f"or a positive integer, got {w}")
             object.__setattr__(self, "windows", windows)
+        if self.layer_types is not None:
+            kinds = tuple(self.layer_types)
+            if len(kinds) != self.layers:
+                raise ValueError(f"cacheidx.models.llama.Config: layer_types names "
+                                 f"{len(kinds)} layers of {self.layers}")
+            for i, kind in enumerate(kinds):
+                if kind not in ("attention", "linear_attention"):
+                    raise ValueError(f"cacheidx.models.llama.Config: layer_types[{i}] must be "
+                                     f"'attention' or 'linear_attention', got {kind!r}")
+                if kind != "attention" and self.layer_windows[i] is not None:
+                    raise ValueError(f"cacheidx.models.llama.Config: layer {i} is a linear-"
+                                     f"attention layer, which has no window (windows[{i}] = "
+                                     f"{self.layer_windows[i]})")
+            object.__setattr__(self, "layer_types", kinds)
+            if self.recurrent_layers:
+                self.linear  # noqa: B018  (checks the sizes)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's window, ``None`` for a full layer."""
         return self.windows if self.windows is not None else (None,) * self.layers
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that keep states (``"linear_attention"``), in order."""
+        kinds = self.layer_types or ()
+        return tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+
+    @property
+    def linear(self) -> deltanet.Shape:
+        """A linear-attention layer's sizes."""
+        return deltanet.Shape(self.dim, self.linear_key_heads, self.linear_value_heads,
+                              self.linear_key_dim, self.linear_value_dim, self.linear_kernel,
+                              self.eps)
 
     @classmethod
     def tiny(cls, **overrides) -> Config:
@@ -125,21 +167,31 @@ def random_params(config: Config, *, seed: int = 0, xp=None, device=None, dtype=
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    recurrent = set(c.recurrent_layers)
+
+    def mixer(i):
+        # drawn in the order an attention layer always drew its weights
+        if i in recurrent:
+            return {"attn_norm": norm(c.dim), "linear": deltanet.random_params(c.linear, rng)}
+        return {
+            "attn_norm": norm(c.dim),
+            "wq": linear(c.dim, c.heads * c.head_dim),
+            "wk": linear(c.dim, c.kv_heads * c.head_dim),
+            "wv": linear(c.dim, c.kv_heads * c.head_dim),
+            "wo": linear(c.heads * c.head_dim, c.dim),
+        }
+
     params = {
         "embed": rng.standard_normal((c.vocab, c.dim), dtype=np.float32),
         "layers": [
             {
-                "attn_norm": norm(c.dim),
-                "wq": linear(c.dim, c.heads * c.head_dim),
-                "wk": linear(c.dim, c.kv_heads * c.head_dim),
-                "wv": linear(c.dim, c.kv_heads * c.head_dim),
-                "wo": linear(c.heads * c.head_dim, c.dim),
+                **mixer(i),
                 "ffn_norm": norm(c.dim),
                 "w_gate": linear(c.dim, c.hidden),
                 "w_up": linear(c.dim, c.hidden),
                 "w_down": linear(c.hidden, c.dim),
             }
-            for _ in range(c.layers)
+            for i in range(c.layers)
         ],
         "norm": norm(c.dim),
     }
@@ -223,7 +275,12 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
                 layout=None, kv=None):
     """One ``(k_pool, v_pool)`` pair per layer, each ``[slots, kv_heads, head_dim]`` of zeros
     (``slots`` a number, or a sequence of each layer's: layers whose windows differ keep pools
-    of their own sizes, ``cacheidx.serve.groups``).
+    of their own sizes, ``cacheidx.serve.groups``). A linear-attention layer
+    (``config.layer_types``) gets ``(conv, recurrent)`` instead, two
+    :class:`cacheidx.state.Pools` of zeros (:func:`cacheidx.models.deltanet.empty_pools`), and
+    its entry of ``slots`` is a pair ``(rows, snapshots)``: running slots, one per row of the
+    table, and snapshot slots, read in blocks of the index's ``m`` (:mod:`cacheidx.state`).
+    Its pools are float (``dtype``, else ``like``'s or float32) whatever ``kv`` is.
 
     The namespace, dtype and device are those of the array ``like`` (a weight, say) unless given.
     ``layout`` is the pools' memory order (:mod:`cacheidx.attention.layout`: ``"head"``,
@@ -257,6 +314,15 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
     each = [slots] * config.layers if isinstance(slots, int | np.integer) else list(slots)
     if len(each) != config.layers:
         raise ValueError(f"cacheidx.{fn}: {len(each)} pool sizes for {config.layers} layers")
+    recurrent = set(config.recurrent_layers)
+    for i, n in enumerate(each):
+        pair = isinstance(n, tuple | list) and len(n) == 2
+        if i in recurrent and not pair:
+            raise ValueError(f"cacheidx.{fn}: layer {i} keeps recurrent state: its slots must "
+                             f"be a pair (rows, snapshots), got {n!r:.60}")
+        if i not in recurrent and pair:
+            raise ValueError(f"cacheidx.{fn}: layer {i} attends: its slots must be a number, "
+                             f"got {n!r:.60}")
     if bits is None:
         def zeros(n):
             return pool_layout.zeros(xp, n, config.kv_heads, config.head_dim, dtype=dtype,
@@ -270,7 +336,12 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
             return quantized.zeros(n, config.kv_heads, config.head_dim, bits=bits, xp=xp,
                                    device=device, scale_dtype=scale_dtype, layout=order)
 
-    return [(zeros(n), zeros(n)) for n in each]
+    def states(rows, snapshots):
+        return deltanet.empty_pools(config.linear, rows, snapshots, xp=xp, dtype=dtype,
+                                    device=device)
+
+    return [states(*n) if i in recurrent else (zeros(n), zeros(n))
+            for i, n in enumerate(each)]
 
 
 def quantized_layout(xp, kv_heads: int, head_dim: int, device=None) -> str:
@@ -433,6 +504,38 @@ def _same(x):
     return x
 
 
+@functools.cache
+def _rounded(mantissa: int):
+    """:func:`matmul` rounding to ``mantissa`` bits, one function a width (a compiled
+    program's static argument, so equal from call to call)."""
+    return lambda a, b: matmul(a, b, mantissa)
+
+
+def linear_layer(p, config: Config, x, index, pools, *, donate=False, xp=None, product=None):
+    """One decoder layer whose token mixer is a Gated DeltaNet (:mod:`cacheidx.models.deltanet`):
+    ``x`` ``[batch * seq, dim]`` after the norm, the mixer and the MLP join the residual, and
+    its ``(conv, recurrent)`` pools after the call (:mod:`cacheidx.state`'s laws). ``index``
+    must be a :class:`cacheidx.CacheIndex` (its states' start and stores are its)."""
+    c = config
+    xp = xp or index.xp
+    mm = (product or _at) if c.matmul_mantissa is None else _rounded(c.matmul_mantissa)
+    h = _whole(index, x, None, _normed, c, xp)(p["attn_norm"], x)
+    o, pools = deltanet.mix(p["linear"], c.linear, h, index, pools, mm=mm, donate=donate)
+    x = _whole(index, x, None, _fed, c, mm, xp)(p, x, o)
+    return x, pools
+
+
+def _normed(c, xp, weight, x):
+    return rms_norm(x, weight, c.eps, xp=xp)
+
+
+def _fed(c, mm, xp, p, x, o):
+    """``x`` after a token mixer's output ``o`` and the MLP join the residual."""
+    x = x + o
+    h = rms_norm(x, p["ffn_norm"], c.eps, xp=xp)
+    return x + mm(_silu(mm(h, p["w_gate"]), xp) * mm(h, p["w_up"]), p["w_down"])
+
+
 def forward(params, config: Config, tokens, index, pools, *, donate=False, last=False,
             reduce=None, each=None):
     """Logits of ``tokens`` ``[batch, seq]`` placed by ``index``, and the pools after their stores.
@@ -450,8 +553,18 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     ``each(p, x, cos, sin, index, pools) -> (x, pools)`` runs one layer in place of
     :func:`layer` (binding the config and options itself): a compiled one is traced once and
     serves every layer, which is regional compilation.
+
+    A linear-attention layer (``config.layer_types``) runs :func:`linear_layer` (``each`` is
+    for attention layers alone) over its ``(conv, recurrent)`` state pools
+    (:func:`empty_pools`): it starts each lane from :func:`cacheidx.state.start` and stores
+    through :func:`cacheidx.state.store`, under the same index. Raises ``ValueError`` for
+    such a layer under ``reduce`` (tensor parallelism shards attention heads alone).
     """
     c = config
+    recurrent = set(c.recurrent_layers)
+    if recurrent and reduce is not None:
+        raise ValueError("cacheidx.models.llama.forward: linear-attention layers "
+                         f"{sorted(recurrent)} cannot be sharded (reduce is given)")
     indices = _layer_indices(index, c)
     first = indices[0]
     # the index's namespace where it names one (resolved once, outside any compiled step), and
@@ -463,8 +576,10 @@ def forward(params, config: Config, tokens, index, pools, *, donate=False, last=
     x, cos, sin = _whole(first, tokens, reduce, _embedded, c, xp)(embed, tokens,
                                                                  first.positions())
     out = []
-    for p, pool, ix in zip(params["layers"], pools, indices, strict=True):
-        if each is None:
+    for i, (p, pool, ix) in enumerate(zip(params["layers"], pools, indices, strict=True)):
+        if i in recurrent:
+            x, pool = linear_layer(p, c, x, ix, pool, donate=donate, xp=xp, product=product)
+        elif each is None:
             x, pool = layer(p, c, x, cos, sin, ix, pool, donate=donate, xp=xp, reduce=reduce,
                             product=product)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..models import llama
+from ..models import deltanet, llama
 
 __all__ = ["LlamaModel", "Model", "ShardedModel", "token_bytes"]
 
@@ -51,18 +51,30 @@ class Model(Protocol):
 
 class LlamaModel:
     """A Llama decoder (:mod:`cacheidx.models.llama`) with float32 NumPy ``params``; its layers'
-    ``windows`` are its config's."""
+    ``windows`` are its config's. A hybrid decoder (``config.layer_types``) says which layers
+    keep recurrent state (``recurrent_layers``: Gated DeltaNet layers, whose states are
+    :class:`cacheidx.state.Pools` under the index) and what one sequence's states take
+    (:meth:`state_bytes`)."""
 
     def __init__(self, config: llama.Config, params: Any):
         self.config, self.params = config, params
         self.vocab, self.context = config.vocab, config.context
         self.windows = config.layer_windows
+        self.recurrent_layers = config.recurrent_layers
 
     def place(self, xp: Any, device: Any) -> Any:
         return llama.convert(self.params, xp=xp, device=device)
 
     def pools(self, weights: Any, slots: Any, kv: str | None = None) -> Any:
+        """Empty pools beside ``weights``; with recurrent layers ``slots`` is a list of each
+        layer's, a recurrent layer's a pair ``(rows, snapshots)``: its running slots (one per
+        row of the table) and its snapshot slots (:func:`cacheidx.models.llama.empty_pools`)."""
         return llama.empty_pools(self.config, slots, like=weights["embed"], kv=kv)
+
+    def state_bytes(self) -> int:
+        """The bytes one sequence's states take over every recurrent layer (float32): its
+        running slot's, or one snapshot's; 0 without recurrent layers."""
+        return len(self.recurrent_layers) * deltanet.state_bytes(self.config.linear)
 
     def token_bytes(self, kv: str | None = None) -> int:
         """The bytes one token takes in every layer's pools, float32 or ``kv``'s."""
