@@ -39,6 +39,9 @@ Laws, for lane ``b`` of row ``r`` whose valid tokens hold positions ``p0`` to ``
 4. **Closing tokens** (:func:`closing`). The tokens of a lane that close a block, in order:
    at most ``ceil(seq / m)`` of them, whatever the positions, so the shape is static.
 
+5. **Copies** (:func:`copy`). An engine moves a state between a running slot and a snapshot
+   where no call stores it: a junction kept at a page's end, a hit resumed there.
+
 A model passes the index to its layers and nothing else: a recurrent layer calls
 :func:`start`, computes, and :func:`store` s, as an attention layer calls ``extend``.
 """
@@ -50,7 +53,7 @@ from typing import Any, NamedTuple
 from . import _arguments as arguments
 from .laws import closes, inside
 
-__all__ = ["Pools", "closing", "every", "start", "store", "zeros"]
+__all__ = ["Pools", "closing", "copy", "every", "start", "store", "zeros"]
 
 
 class Pools(NamedTuple):
@@ -81,10 +84,14 @@ def zeros(rows: int, snapshots: int, shape: tuple[int, ...], *, dtype: Any = Non
 def every(index: Any) -> int:
     """The block size of the index's snapshots (see the module): 1 where it keeps none.
     Raises where the index reads positions and has several tables of blocks."""
+    return _every("state.every", index)
+
+
+def _every(fn: str, index: Any) -> int:
     if index.block != 1:
         return index.block
     if len(index.blocks) > 1:
-        raise arguments.fail("state", "the index has tables of blocks of "
+        raise arguments.fail(fn, "the index has tables of blocks of "
                              f"{[m for m, _ in index.blocks]} positions: name the snapshots' "
                              "with index.every(m)")
     return index.blocks[0][0] if index.blocks else 1
@@ -97,7 +104,7 @@ def _checked(fn: str, index: Any) -> int:
     if index.columns is not None:
         raise arguments.fail(fn, "the index selects columns: a recurrent layer reads every "
                              "token of its lane in order (law 3)")
-    return every(index)
+    return _every(fn, index)
 
 
 def _pools(fn: str, index: Any, pools: Any) -> Pools:
@@ -111,10 +118,13 @@ def _pools(fn: str, index: Any, pools: Any) -> Pools:
                             f"library ({index.backend.name}), got {type(p).__name__}")
         if p.ndim < 1:
             raise arguments.fail(fn, f"the {name} pool must have a slot axis, got a 0-d array")
-    if tuple(running.shape[1:]) != tuple(snaps.shape[1:]) or running.dtype != snaps.dtype:
-        raise arguments.fail(fn, f"the running pool holds {running.dtype} rows of "
-                             f"{list(running.shape[1:])} but the snapshots {snaps.dtype} rows "
-                             f"of {list(snaps.shape[1:])}: one state, one row")
+    if tuple(running.shape[1:]) != tuple(snaps.shape[1:]):
+        raise arguments.fail(fn, f"the running pool holds rows of {list(running.shape[1:])} "
+                             f"but the snapshots rows of {list(snaps.shape[1:])}: one state, "
+                             "one row")
+    if running.dtype != snaps.dtype:
+        raise TypeError(f"cacheidx.{fn}: the running pool holds {running.dtype} but the "
+                        f"snapshots {snaps.dtype}: one state, one dtype")
     return Pools(running, snaps)
 
 
@@ -127,6 +137,22 @@ def _span(index: Any) -> tuple[Any, Any, Any]:
     p0 = xp.min(xp.where(valid, index.pos, largest), axis=1, keepdims=True)
     return xp.any(valid, axis=1, keepdims=True), p0, xp.max(index.valid_positions, axis=1,
                                                             keepdims=True)
+
+
+def _one_call(index: Any, fn: Any, *args: Any, donate: tuple[int, ...] = (),
+              static: tuple[int, ...] = ()) -> Any:
+    """``fn(index, *args)`` as one program where the library compiles each eager operation
+    apart (JAX: :meth:`Arrays.one_program <cacheidx.backends.Arrays.one_program>`, as the
+    index's own calls run), ``fn`` itself elsewhere and wherever a value is traced (inside the
+    caller's program). ``donate``: the positions in ``args`` given up to the program;
+    ``static``: those of Python values, part of its key."""
+    be = index.backend
+    run = be.one_program(fn, donate_argnums=tuple(i + 1 for i in donate),
+                         static_argnums=tuple(i + 1 for i in static))
+    leaves = [a for x in args for a in (x if isinstance(x, tuple) else (x,)) if a is not None]
+    if run is fn or any(be.tracing(a) for a in (index.pos, *leaves)):
+        return fn(index, *args)
+    return run(index, *args)
 
 
 def _rows(index: Any) -> Any:
@@ -162,12 +188,19 @@ def _starts(index: Any, m: int, n_run: int, n_snap: int) -> tuple[Any, Any, Any,
 def start(index: Any, pools: Pools) -> Any:
     """``[batch, ...]``: the state each lane starts from (law 1). Raises on a draft or a
     selection, or where the pools are no :class:`Pools` of one row of the index's library."""
-    m = _checked("state.start", index)
+    _checked("state.start", index)
     running, snaps = _pools("state.start", index, pools)
     xp, be = index.xp, index.backend
     if index.kind != "tabled":
         return xp.zeros((index.batch, *running.shape[1:]), dtype=running.dtype,
                         device=be.device(running))
+    return _one_call(index, _start, Pools(running, snaps))
+
+
+def _start(index: Any, pools: Pools) -> Any:
+    xp, be = index.xp, index.backend
+    running, snaps = pools
+    m = every(index)
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])
     run, from_run, snap, from_snap = index.planned(
         "state start", (m, n_run, n_snap), lambda: _starts(index, m, n_run, n_snap))
@@ -202,6 +235,11 @@ def closing(index: Any) -> tuple[Any, Any]:
     if m == 1:
         none = xp.zeros((index.batch, 0), dtype=index.pos.dtype, device=index.device)
         return none, none > 0
+    return _one_call(index, _closed_by)
+
+
+def _closed_by(index: Any) -> tuple[Any, Any]:
+    m = every(index)
     at, ok, _ = index.planned("state closing", (m,), lambda: _closing(index, m))
     return at, ok
 
@@ -257,15 +295,58 @@ def store(index: Any, last: Any, pools: Pools, closed: Any = None, *,
                             f"{running.dtype}")
     if index.kind != "tabled":
         return Pools(running, snaps)
+    if donate:
+        for name, p in (("running", running), ("snapshots", snaps)):
+            arguments.owned(fn, f"the {name} pool", p)
+    return _one_call(index, _store, last, Pools(running, snaps), closed, bool(donate),
+                     donate=(1,) if donate else (), static=(3,))
+
+
+def _store(index: Any, last: Any, pools: Pools, closed: Any, donate: bool) -> Pools:
     xp, be = index.xp, index.backend
+    running, snaps = pools
+    m, row = every(index), tuple(running.shape[1:])
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])
     k = None if closed is None else -(-index.seq // m)
     run, snap = index.planned("state store", (m, n_run, k),
                               lambda: _targets(index, m, n_run, k))
     running = be.store(running, be.store_plan(run, n_run), last, donate=donate)
     if snap is not None and n_snap > 0:
-        rows = last[:, None] if closed is None else closed
+        rows = xp.expand_dims(last, axis=1) if closed is None else closed
         rows = xp.reshape(rows, (-1, *row))
         snaps = be.store(snaps, be.store_plan(xp.reshape(snap, (-1,)), n_snap), rows,
                          donate=donate)
     return Pools(running, snaps)
+
+
+def copy(pools: Pools, pairs: Any, *, into: str, donate: bool = False) -> Pools:
+    """The pools after copying states between the running slots and the snapshots, for
+    ``(row, slot)`` ``pairs``: ``into="snapshots"`` copies running slot ``row`` into snapshot
+    ``slot`` (a junction kept after a call), ``into="running"`` snapshot ``slot`` into
+    running slot ``row`` (a hit resumed before its first call). A slot or row that
+    addresses nothing drops its copy; every other slot is as it was. With ``donate`` the
+    pools are given up and written in place where the library can. Raises naming
+    ``cacheidx.state.copy`` for another ``into`` or pools that are no :class:`Pools`."""
+    import numpy as np
+
+    from . import backends
+
+    fn = "state.copy"
+    if into not in ("snapshots", "running"):
+        raise arguments.fail(fn, f"into must be 'snapshots' or 'running', got {into!r}")
+    if not (isinstance(pools, tuple) and len(pools) == 2):
+        raise TypeError(f"cacheidx.{fn}: pools must be a state.Pools (running, snapshots), got "
+                        f"{type(pools).__name__}")
+    running, snaps = pools
+    pairs = np.asarray(list(pairs), dtype=np.int64).reshape(-1, 2)
+    if not len(pairs):
+        return Pools(running, snaps)
+    be = backends.get(running)
+    source, target = (running, snaps) if into == "snapshots" else (snaps, running)
+    take, put = (pairs[:, 0], pairs[:, 1]) if into == "snapshots" else (pairs[:, 1], pairs[:, 0])
+    device = be.device(running)
+    at = be.from_host(take, None, device)
+    ok = be.from_host((take >= 0) & (take < int(source.shape[0])), None, device)
+    rows = be.gather(source, at, ok)
+    target = be.scatter(target, be.from_host(put, None, device), rows, donate=donate)
+    return Pools(running, target) if into == "snapshots" else Pools(target, snaps)
