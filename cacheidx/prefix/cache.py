@@ -364,6 +364,13 @@ class PrefixCache:
         # node by node
         return sum(m.insert(hold.groups[m.g], nodes, start, full) for m in self._groups)
 
+    def mark(self, hold: Hold, page: int) -> int:
+        """Law 14: the hold's junction is to hold the state after its page ``page`` (the
+        caller copies the running state there); returns that snapshot slot, -1 for none (no
+        snapshot group, or ``page`` ends a block, whose snapshot the call stores)."""
+        self._live(hold, "mark")
+        return -1 if self._state is None else self._state.mark(hold.groups[-1], page)
+
     def release(self, hold: Hold) -> None:
         """Law 6: the request lets go of its pages. Raises :class:`PageError` on a second
         release."""

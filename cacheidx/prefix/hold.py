@@ -29,6 +29,11 @@ class GroupHold:
     most: int = 0
     keeps: set[int] = dataclasses.field(default_factory=set)
     kept: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: of the snapshot group (:mod:`.states`, law 14): ``[page, slot]``, the own slot that
+    #: holds the state after page ``page`` (-1: not yet written; slot -1: none), and the
+    #: cached snapshot a hit resumes from where it is no block's end (-1: none)
+    junction: list[int] = dataclasses.field(default_factory=lambda: [-1, -1])
+    resume: int = -1
 
     def held(self) -> int:
         """Pages of the pool it holds now (cached ones it reads included)."""

@@ -16,6 +16,15 @@ Laws (the cache's, for the snapshot group; ``k = m / P`` pages a block):
     no one may be evicted alone, least recently released first, its node staying without
     it; a node evicted takes its snapshot with it. The pool's slots are its own budget: an
     admission evicts snapshots for snapshots, pages for pages.
+14. Junctions. A request also holds one slot more, its junction: the caller copies its running
+    state there after a call whose last token closes a page (:meth:`StateManager.mark`, at
+    the end of the prompt's last whole page before its last token, and at each page end
+    while it decodes), and ``insert`` gives it to that page's node where the node is no
+    block's end and has none, the request taking a fresh slot for the next. So a prompt's
+    samples, and the next turn of a chat (the last one's prompt and answer, then a new
+    message), resume where the pages alone would, at a whole page, whatever ``m``. A hit
+    may end at any node holding a snapshot; one that is no block's end names the snapshot
+    to copy into the request's running slot before its first call (``hold.resume``).
 """
 
 from __future__ import annotations
@@ -47,12 +56,14 @@ class StateManager(GroupManager):
 
     # -- admission (law 11) ---------------------------------------------------------------------
     def most_pages(self, total: int, call: int = 1) -> int:
-        return self.blocks_for(total)
+        # and its junction, and the junction a hit resumes from, pinned (law 14)
+        return self.blocks_for(total) + 2
 
     def too_large(self, total: int) -> str | None:
-        least = self.blocks_for(total)
+        least = self.most_pages(total)
         if least > self.pool.capacity:
-            return (f"{total} tokens need {least} snapshot slots of {self.every} positions; "
+            return (f"{total} tokens need {least} snapshot slots (one per block of "
+                    f"{self.every} positions, and two junctions); "
                     f"the snapshot pool has {self.pool.capacity}")
         return None
 
@@ -61,15 +72,27 @@ class StateManager(GroupManager):
 
     def room(self, nodes: list[CachedPage], total: int, longest: int) -> int | None:
         pool, g = self.pool, self.g
-        need = self.blocks_for(total) - self._held(nodes)
+        need = self.blocks_for(total) - self._held(nodes) + 1  # and a junction (law 14)
         losing = sum(1 for x in nodes if x.pages[g] >= 0 and x.readers == 0)
         return None if need > pool.free + pool.unread - losing else 0
 
     def admit(self, nodes: list[CachedPage], want: int, most: int) -> GroupHold:
         g, k = self.g, self.k
         matched = [nodes[(b + 1) * k - 1].pages[g] for b in range(self._held(nodes))]
-        own = self.alloc(self.blocks_for(want * self.size) - len(matched))
-        return GroupHold(matched + own, set(own))
+        own = self.alloc(self.blocks_for(want * self.size) - len(matched) + 1)
+        hold = GroupHold(matched + own[1:], set(own), junction=[-1, own[0]])
+        if nodes and len(nodes) % k:  # a junction's hit: its snapshot is copied in (law 14)
+            hold.resume = nodes[-1].pages[g]
+        return hold
+
+    def mark(self, hold: GroupHold, page: int) -> int:
+        """Law 14: the hold's junction is to hold the state after its page ``page``; returns
+        the slot to copy the running state into (-1: none, or the page ends a block, whose
+        snapshot the call stores itself)."""
+        if self.closes(page) or hold.junction[1] < 0:
+            return -1
+        hold.junction[0] = page
+        return hold.junction[1]
 
     def claim(self, node: CachedPage) -> None:
         """A node read again by its first reader: its snapshot may no longer go."""
@@ -79,11 +102,15 @@ class StateManager(GroupManager):
 
     # -- matching (law 12) ----------------------------------------------------------------------
     def missing(self, nodes: list[CachedPage], depth: int) -> int:
-        if depth == 0:
+        """Laws 12 and 14: a hit ends at a node holding a snapshot, else at the deepest one
+        before it that does."""
+        g = self.g
+        if depth == 0 or nodes[depth - 1].pages[g] >= 0:
             return -1
-        if depth % self.k:
-            return depth - depth % self.k
-        return -1 if nodes[depth - 1].pages[self.g] >= 0 else depth - self.k
+        depth -= 1
+        while depth > 0 and nodes[depth - 1].pages[g] < 0:
+            depth -= 1
+        return depth
 
     # -- caching and letting go -----------------------------------------------------------------
     def insert(self, hold: GroupHold, nodes: list[CachedPage], start: int, full: int) -> int:
@@ -97,6 +124,15 @@ class StateManager(GroupManager):
                 hold.own.discard(slot)
                 pool.cached += 1
                 added += 1
+        page, slot = hold.junction
+        if slot >= 0 and start <= page < len(nodes) and nodes[page].pages[g] < 0:  # law 14
+            nodes[page].pages[g] = slot
+            hold.own.discard(slot)
+            pool.cached += 1
+            added += 1
+            fresh = self.alloc(1) if pool.free + pool.unread > 0 else [-1]
+            hold.own.update(s for s in fresh if s >= 0)
+            hold.junction = [-1, fresh[0]]
         return added
 
     def release(self, hold: GroupHold, nodes: list[CachedPage]) -> None:

@@ -78,6 +78,8 @@ class Lane:
     done: int
     data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
     samples: Samples | None = dataclasses.field(default=None, repr=False)
+    #: the snapshot its first call copies into its running slot (-1: none; law 14)
+    resume: int = -1
 
     @property
     def prefilling(self) -> bool:
@@ -103,25 +105,38 @@ class Batch:
     tokens: np.ndarray
     columns: int
     follows: bool = False
+    #: recurrent state to copy (the prefix cache's law 14): ``(row, slot)`` pairs, each row's
+    #: running state from snapshot ``slot`` before the call, and into it after
+    resumes: tuple[tuple[int, int], ...] = ()
+    keeps: tuple[tuple[int, int], ...] = ()
 
     def alone(self, b: int) -> Batch:
         """The call of lane ``b`` alone, fed from the host."""
-        pos = self.pos[b : b + 1]
+        pos, row = self.pos[b : b + 1], int(self.rows[b])
         return Batch(self.kind, (self.lanes[b],), self.rows[b : b + 1], pos,
-                     self.tokens[b : b + 1], int(pos.max()) + 1)
+                     self.tokens[b : b + 1], int(pos.max()) + 1,
+                     resumes=tuple(c for c in self.resumes if c[0] == row),
+                     keeps=tuple(c for c in self.keeps if c[0] == row))
 
 
 def _rows(lanes: tuple[Lane, ...]) -> np.ndarray:
     return np.asarray([lane.row for lane in lanes], dtype=np.int64)
 
 
-def prefill(lanes: tuple[Lane, ...], chunk: int, align: int | None = None) -> Batch:
+def prefill(lanes: tuple[Lane, ...], chunk: int, align: int | None = None,
+            cut: int | None = None) -> Batch:
     """Law 1: the prefill call of ``lanes`` (each still in its prompt), ``chunk`` tokens
-    each at most, ending at a block of ``align`` positions where given."""
+    each at most, ending at a block of ``align`` positions where given, and with ``cut``
+    (a page's tokens) at the prompt's last whole page before its last token (its
+    junction: the prefix cache's law 14)."""
     counts = [min(chunk, len(lane.data) - lane.done) for lane in lanes]
     if align is not None:
         counts = [min(n, (lane.done // align + 1) * align - lane.done)
                   for lane, n in zip(lanes, counts)]
+    if cut is not None:
+        ends = [(len(lane.data) - 1) // cut * cut for lane in lanes]
+        counts = [min(n, end - lane.done) if lane.done < end else n
+                  for lane, n, end in zip(lanes, counts, ends)]
     seq = max(counts)
     pos = np.full((len(lanes), seq), -1, dtype=np.int64)
     tokens = np.zeros((len(lanes), seq), dtype=np.int64)

@@ -53,10 +53,17 @@ call computes) and :mod:`.statistics` (what is counted). Laws, for a
    model whose recurrent kernels give the state after a call's last token alone
    (``aligned``) has its prefill chunks end at block ends (the batches' law 1), and one
    whose kernels cannot start a lane from a state behind padding (``lanes_per_prefill``)
-   has that many lanes at most in a prefill call, the oldest first.
+   has that many lanes at most in a prefill call, the oldest first. A request's junction
+   (the prefix cache's law 14): its prefill ends a call at its prompt's last whole page
+   before its last token, and each call whose lane's last token closes a page (no block's
+   end) copies that lane's running state into its junction slot (``Batch.keeps``); a hit
+   that ends at a junction copies it into the lane's running slot before its first call
+   (``Batch.resumes``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -205,6 +212,8 @@ class Scheduler:
             self.admission.take(number)
             lane = Lane(request, result, hold, self.slots.take(), hold.cached, data,
                         self._samples.pop(number, None))
+            if self.cache.every is not None:
+                lane.resume = hold.groups[-1].resume
             self._place(lane)
             result.admitted = now
             result.cached_tokens = hold.cached
@@ -241,9 +250,10 @@ class Scheduler:
         if not lanes:
             return None
         lanes = lanes[: self.lanes_per_prefill]  # law 7 (None: every lane)
-        batch = batches.prefill(lanes, self.chunk, self.align)
+        states = self.cache.every is not None
+        batch = batches.prefill(lanes, self.chunk, self.align, self.P if states else None)
         self._slide(lanes, batch.pos)
-        return batch
+        return self._junctions(batch) if states else batch
 
     def decode(self) -> Batch | None:
         """The decode call: every running request past its prompt, fed its last token."""
@@ -257,7 +267,22 @@ class Scheduler:
         self._last_decode = lanes
         batch = batches.decode(lanes, follows)
         self._slide(lanes, batch.pos)
-        return batch
+        return self._junctions(batch) if self.cache.every is not None else batch
+
+    def _junctions(self, batch: Batch) -> Batch:
+        """Law 7's copies of recurrent state: a lane's resume before its first call, and its
+        junction after a call whose last token closes a page."""
+        resumes, keeps = [], []
+        for lane, pos in zip(batch.lanes, batch.pos):
+            if lane.resume >= 0:
+                resumes.append((lane.row, lane.resume))
+                lane.resume = -1
+            end = int(pos.max()) + 1
+            if end % self.P == 0:
+                slot = self.cache.mark(lane.hold, end // self.P - 1)
+                if slot >= 0:
+                    keeps.append((lane.row, slot))
+        return dataclasses.replace(batch, resumes=tuple(resumes), keeps=tuple(keeps))
 
     # -- law 4: what a call's tokens do -------------------------------------------------------
     def after(self, batch: Batch, chosen: np.ndarray, logits: np.ndarray | None,

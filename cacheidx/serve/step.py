@@ -121,7 +121,7 @@ class Step:
         self.int = info().default_dtypes()["integral"] if info else self.xp.int64
         self.model, self.groups, self.kv, self.states = model, groups, kv, states
         self.weights = model.place(self.xp, self.device)
-        recurrent = set(getattr(model, "recurrent_layers", ()) or ())
+        self.recurrent = recurrent = set(getattr(model, "recurrent_layers", ()) or ())
         if groups is None and not recurrent:
             self.pools = _pools(model, self.weights, slots, kv)
         else:  # each layer's: its group's pages, or (law 8) a recurrent layer's pair
@@ -216,6 +216,8 @@ class Step:
                 except ValueError as e:
                     raise TableError(f"cacheidx.serve.Step: the {batch.kind} call breaks an "
                                      f"obligation of the table: {e}") from None
+        if batch.resumes:  # law 8: a hit resumed at a junction
+            self._copy(batch.resumes, "running")
         tokens_in = self._put("tokens", tokens, fed and fed.tokens)
         self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":
@@ -227,9 +229,26 @@ class Step:
                                                                           indices)
         self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
                       else pools)
+        if batch.keeps:  # law 8: junctions kept
+            self._copy(batch.keeps, "snapshots")
         out = self._host(chosen).reshape(-1)[:lanes]
         kept = self._host(logits)[:lanes] if self.keep_logits else None
         return out, kept, new
+
+    def _copy(self, pairs: tuple, into: str) -> None:
+        """Law 8: every recurrent layer's states copied for ``(row, slot)`` ``pairs``
+        (:func:`cacheidx.state.copy`), in place (compiled: into the pools' fixed buffers)."""
+        def each(part: Any) -> Any:
+            if isinstance(part, ci.state.Pools):
+                return ci.state.copy(part, pairs, into=into, donate=not self.compiled)
+            return tuple(each(p) for p in part) if isinstance(part, tuple) else part
+
+        def copied(pools: list) -> list:
+            return [each(p) if i in self.recurrent else p for i, p in enumerate(pools)]
+
+        # as the calls run (torch: pools made under inference mode are written under it)
+        got = self.backend.inference(copied)(self.pools)
+        self.pools = tree_map(self.backend.refill, self.pools, got) if self.compiled else got
 
     def _check_fed(self, indices: tuple, pos: np.ndarray, rows: np.ndarray) -> None:
         """Law 4 with ``debug``: the advanced indices' row map is the scheduler's ``rows``, and
