@@ -99,16 +99,44 @@ def assert_left_as_found(case: Alone) -> None:
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_two_threads_on_one_model_each_get_the_tokens_they_get_alone(name, alone):
-    """The issue's case: one call of 6 new tokens, one of 30 begun 30 ms later (so the first
-    returns while the second is mid-run), and transformers' own ``generate`` on the same model
-    in a third thread meanwhile. Each gets what it gets alone; the model is left eager."""
+    """The issue's case: a call of 30 new tokens, and one of 6 begun while the first is
+    mid-run, and transformers' own ``generate`` on the same model in a third thread meanwhile.
+    Each gets what it gets alone; the model is left eager.
+
+    The overlap is made, not hoped for: the long call's third forward waits until the short
+    call has begun (a pre-hook on the embedding, which every forward runs), so a loaded
+    machine cannot run the two one after the other."""
     case = alone(name)
     model = case.model
     want6, want30 = case.tokens(6), case.tokens(30)
-    (got6, _, end6), (got30, begin30, _), (own, _, _) = together(
-        model, [(0.0, generating(model, 6)), (0.03, generating(model, 30)),
-                (0.01, owns(model))])
-    assert begin30 < end6, "the calls overlapped"
+    short_began = threading.Event()
+    long_thread: list = []
+    forwards = [0]
+
+    def gate(_module, _args):
+        if long_thread and threading.current_thread() is long_thread[0]:
+            forwards[0] += 1
+            if forwards[0] == 3:
+                assert short_began.wait(60), "the short call never began"
+
+    def long_call():
+        long_thread.append(threading.current_thread())
+        return generating(model, 30)()
+
+    def short_call():
+        deadline = time.perf_counter() + 60
+        while forwards[0] < 3 and time.perf_counter() < deadline:  # (its third forward waits)
+            time.sleep(0.001)
+        short_began.set()
+        return generating(model, 6)()
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(gate)
+    try:
+        (got30, begin30, end30), (got6, begin6, end6), (own, _, _) = together(
+            model, [(0.0, long_call), (0.0, short_call), (0.01, owns(model))])
+    finally:
+        hook.remove()
+    assert begin30 < end6 and begin6 < end30, "the calls overlapped"
     assert got6 == want6
     assert got30 == want30
     assert own == case.own

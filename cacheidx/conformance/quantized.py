@@ -292,9 +292,7 @@ def law_the_round_trip_is_within_half_a_scale(case: Case) -> None:
         top = np.max(np.abs(x), axis=-1, keepdims=True).astype(np.float64)
         assert np.all(s <= top / q * (1 + 2.0**-22)), f"{bits} bits: a scale past a / Q"
         err = np.abs(x.astype(np.float64) - back.astype(np.float64))
-        # 1 / s and x (1 / s) round once each in float32 (2**-23 of |x| / s together), c s once
-        # (2**-24 of |x| + s): 2**-22 of |x| + s bounds them, with room for the clip at Q
-        bound = s / 2 + 2.0**-22 * (np.abs(x) + s)
+        bound = library.bound(x, s)  # Q3's, as cacheidx.quantized states it
         r, i = np.unravel_index(np.argmax(err - bound), err.shape)
         assert np.all(err <= bound), (
             f"{bits} bits: |x - c s| = {err[r, i]:.6g} > s / 2 = {s[r, 0] / 2:.6g} at "
