@@ -443,7 +443,9 @@ class CacheIndex:
         """``(seen, pool')``: ``pool'`` is ``pool`` with ``values`` ``[batch, seq, ...]``
         stored where the call's tokens sit, one scatter that drops every store addressing
         nothing; ``seen`` ``[batch, context, ...]`` is what the tokens attend over, read from
-        ``pool'``, with every column no token of its lane sees exactly zero.
+        ``pool'``, with every column no token of its lane sees exactly zero. On a whole or
+        packed index nothing is stored and ``pool'`` is ``pool`` itself (the object given,
+        eagerly on every backend; its values, where a compiled step returns it).
 
         With ``donate`` the caller gives ``pool`` up and the backend writes into its memory
         where it can; without it the caller's pool is never changed. Raises if ``values`` does
@@ -455,15 +457,20 @@ class CacheIndex:
         float32: the call as through a float pool holding its values'
         :func:`~cacheidx.quantized.roundtrip` (:mod:`cacheidx.quantized`'s laws)."""
         self.validate(values, pool)
-        donate = bool(donate) and self.kind == "tabled"  # a whole index stores nothing
+        if self.kind != "tabled":
+            # a whole index stores nothing: pool' is the pool given, never a program's copy
+            return self._one_call(CacheIndex._seen_whole_of, values, pool), pool
+        donate = bool(donate)
         if donate:
             for part in parts(pool):
                 arguments.owned("extend", "pool", part)
         return self._one_call(CacheIndex._extend, values, pool, donate, donated=1, static=2)
 
+    def _seen_whole_of(self, values: Any, pool: Any) -> Any:
+        """A whole or packed index's seen (``pool`` gives only its kind: float or quantized)."""
+        return self.seen_whole(self.stands_for(values, pool))
+
     def _extend(self, values: Any, pool: Any, donate: bool) -> tuple[Any, Any]:
-        if self.kind != "tabled":
-            return self.seen_whole(self.stands_for(values, pool)), pool
         self.follow()
         pool = self.store(values, pool, donate)
         # the call's own values are read only under a draft (its tail of columns)

@@ -50,11 +50,15 @@ Share = tuple[tuple[tuple[int, ...], int], ...]
 class JaxPath:
     def attend(self, call: Any) -> tuple[Any, Any, Any]:
         index = call.index
-        if not index.backend.tracing(index.pos):
-            return _jitted(call.donate)(index, call.q, call.k, call.v, call.kpool, call.vpool,
-                                        call.sinks, scale=call.scale, softcap=call.softcap,
-                                        tile=call.tile, share=_share(call))
-        return _traced(call)
+        if index.backend.tracing(index.pos):
+            return _traced(call)
+        # a whole or packed index stores nothing: its pools' are the pools given (extend's
+        # law), never the program's copies of them, and nothing is donated
+        whole = index.kind != "tabled"
+        out, kpool, vpool = _jitted(call.donate and not whole)(
+            index, call.q, call.k, call.v, call.kpool, call.vpool, call.sinks, scale=call.scale,
+            softcap=call.softcap, tile=call.tile, share=_share(call))
+        return (out, call.kpool, call.vpool) if whole else (out, kpool, vpool)
 
 
 def _traced(call: Any, share: Share = ()) -> tuple[Any, Any, Any]:

@@ -110,6 +110,9 @@ def check(case: Case, ix, arrays, what: str, step=attend, extra=(), *, head: boo
     kpool, vpool = (laid(case, a, head) for a in arrays[3:])
     columns = ix.context if ix.columns is None else int(ix.columns.shape[-1])
     eager = step(ix, q, k, v, kpool, vpool, *extra)
+    if ix.kind != "tabled":  # nothing stored: the pools given themselves, as extend's
+        assert eager[1] is kpool and eager[2] is vpool, (
+            f"{what}: attend returned other pools than the ones it was given")
     got = eager
     if case.compiled:
         got = case.jit(step)(ix, q, k, v, kpool, vpool, *extra)
@@ -137,7 +140,7 @@ def compiles(case: Case, what: str) -> bool:
 def law_attend_is_softmax_attention_over_what_extend_sees(case: Case) -> None:
     """For every kind of index (rows, window, blocks, a window over blocks, a row map, a
     selection, a draft, whole, packed) attend's output is softmax attention over extend's seen
-    under mask, and its pools are extend's, bit for bit."""
+    under mask, and its pools are extend's, bit for bit (whole, packed: the pools given)."""
     for seed, (kind, ix) in enumerate(variants(case, 2, 11).items()):
         if not compiles(case, kind):
             continue

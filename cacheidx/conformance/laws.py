@@ -367,12 +367,17 @@ def law_a_draft_under_a_window_sees_only_its_reach(case: Case) -> None:
 # -- whole and packed -------------------------------------------------------------------------
 @law
 def law_a_whole_index_reads_values_and_keeps_the_pool(case: Case) -> None:
-    """On a whole index seen is values (padding zero) and the pool is left as it was; under
-    every it holds the tokens closing each block."""
+    """On a whole index seen is values (padding zero) and the pool is left as it was: eagerly
+    the pool given itself, on a packed index too (spec: pool' is pool), compiled its values;
+    under every seen holds the tokens closing each block."""
     ix = build.whole(2, 3, lens=[2, 3], **on(case))
     v = ramp(2, 3)
     before = stored(2, {0: 1.0})
-    seen, pool, got_mask, _ = case.call(observe, ix, case.array(v), case.array(before))
+    given = case.array(before)
+    for kind, at in (("whole", ix), ("packed", build.packed(3, [[1, 2], [3]], **on(case)))):
+        assert at.extend(case.array(v), given)[1] is given, (
+            f"{kind}: extend returned another pool than the one it was given")
+    seen, pool, got_mask, _ = case.call(observe, ix, case.array(v), given)
     want = v.copy()
     want[0, 0] = 0.0
     same(case, seen, want, "seen")

@@ -256,7 +256,8 @@ def law_extend_sees_codes_times_scales_as_it_sees_a_float_pool(case: Case) -> No
     extend's seen of a quantized pool is its codes times their scales read as extend reads a
     float pool: bit for bit extend over a float pool holding the round trip (NaN across a
     stored row that held NaN or Inf), unseen columns zero though a NaN scale sits there; its
-    codes and scales are the reference's where the float store writes. The kinds take 8 and 4
+    codes and scales are the reference's where the float store writes (whole: the pool
+    given itself). The kinds take 8 and 4
     bits in turn, each width both memory orders. (Compiled, the store law's step reads its
     rows.)"""
     kinds = variants(case, 2, 11)
@@ -269,7 +270,10 @@ def law_extend_sees_codes_times_scales_as_it_sees_a_float_pool(case: Case) -> No
         values = case.array(x)
         # rows of NaN (scale NaN) at slots some kinds read and others do not
         before = filled(SLOTS, bits, seed, nan=(5, 9, 17))
-        seen, pool = ix.extend(values, pooled(case, *before, head))
+        given = pooled(case, *before, head)
+        seen, pool = ix.extend(values, given)
+        assert ix.kind == "tabled" or pool is given, (
+            f"{kind}: extend returned another pool than the one it was given")
         holds(case, ix, values, before, bits, seen, pool,
               f"{kind} ({'head' if head else 'token'}-major)")
 
