@@ -6,9 +6,11 @@
 
 from .engine import Engine
 from .model import LlamaModel, Model, ShardedModel
-from .requests import Line, Request, Result, read_requests
+from .requests import MOST_SAMPLES, Line, Request, Result, read_requests
+from .sampling import Logprob, Sampling
 from .scheduler import Batch, Lane, Scheduler
 from .step import Step, TableError
 
-__all__ = ["Batch", "Engine", "Lane", "Line", "LlamaModel", "Model", "Request", "Result",
-           "Scheduler", "ShardedModel", "Step", "TableError", "read_requests"]
+__all__ = ["MOST_SAMPLES", "Batch", "Engine", "Lane", "Line", "LlamaModel", "Logprob", "Model",
+           "Request", "Result", "Sampling", "Scheduler", "ShardedModel", "Step", "TableError",
+           "read_requests"]

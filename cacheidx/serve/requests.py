@@ -12,31 +12,45 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Line", "Request", "Result", "read_requests"]
+from . import sampling as sampling_
+from .sampling import Logprob, Sampling
+
+__all__ = ["MOST_SAMPLES", "Line", "Request", "Result", "read_requests"]
 
 
 _LARGEST = (1 << 63) - 1  # token ids are int64 on their way to the model
+#: the most samples a request may ask for (``n``): OpenAI's API caps it at 128 too
+MOST_SAMPLES = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """Generate up to ``max_new_tokens`` greedy tokens after ``prompt`` (token ids), stopping
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (token ids), stopping
     after a token of ``stop`` (kept). ``arrival`` is when the engine may first see it (its
     clock's unit: seconds, or steps).
+
+    ``sampling`` says how each token is chosen (:class:`~cacheidx.serve.sampling.Sampling`,
+    or a mapping of its fields): its temperature (0, the default, and ``sampling=None``:
+    greedy), filters, penalties, seed, log-probabilities and stop strings, under the laws of
+    :mod:`cacheidx.serve.sampling` (a sampled token is a function of the seed, the sample
+    number and the step alone, whatever else is in the batch).
 
     ``n`` asks for ``n`` parallel samples of the prompt: ``n`` lanes, whose prompt is computed
     once (the scheduler's law 6: the samples after the first read its whole pages from the
     prefix cache, each computing only the tokens past the prompt's last whole page, into a
-    page of its own). Its :class:`Result` then holds ``n`` lists of tokens. The engine
-    chooses greedily (it has no sampling), so the ``n`` continuations are equal, each the
-    continuation of the same request with ``n=1``: the point is the shared pages and the one
-    prefill, what a sampler would build on.
+    page of its own). Its :class:`Result` then holds ``n`` lists of tokens. Sample ``k`` draws
+    with sample number ``k``, so sampled continuations differ from their first token; greedy
+    ones are equal, each the continuation of the same request with ``n=1``. The engine
+    serves at most :data:`MOST_SAMPLES` (128, OpenAI's cap): a request asking more is
+    refused when submitted, alone, its result naming it (the admission's law 1).
 
     Raises ``TypeError`` naming the request for a field of the wrong type (a token id that is
     no integer, a bool included; a float ``max_new_tokens`` or ``n``; an ``arrival`` that is
-    no number; a ``stop`` that is no collection of ids), and ``ValueError`` for a value out of
-    range (an empty prompt, a negative id or one past int64, ``max_new_tokens`` or ``n``
-    below 1, an arrival that is negative or not finite). Nothing is truncated or clamped."""
+    no number; a ``stop`` that is no collection of ids; a ``sampling`` that is no
+    ``Sampling`` or mapping of its fields), and ``ValueError`` for a value out of range (an
+    empty prompt, a negative id or one past int64, ``max_new_tokens`` or ``n`` below 1, an
+    arrival that is negative or not finite, a sampling field out of its range). Nothing is
+    truncated or clamped."""
 
     id: Any
     prompt: tuple[int, ...]
@@ -44,24 +58,26 @@ class Request:
     arrival: float = 0.0
     stop: frozenset[int] = frozenset()
     n: int = 1
+    sampling: Sampling | None = None
 
     def __post_init__(self) -> None:
         try:
             fields = checked(self.prompt, self.max_new_tokens, self.arrival, self.stop,
-                             self.n)
+                             self.n, self.sampling)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cacheidx.serve.Request {self.id!r}: {e}") from None
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
 
-def checked(prompt: Any, max_new_tokens: Any, arrival: Any, stop: Any, n: Any = 1) -> dict:
+def checked(prompt: Any, max_new_tokens: Any, arrival: Any, stop: Any, n: Any = 1,
+            sampling: Any = None) -> dict:
     """A request's fields as :class:`Request` keeps them; ``TypeError`` or ``ValueError``
     saying which field is wrong and how (the caller names the request)."""
     return {"prompt": _ids("the prompt", prompt, least=1),
             "max_new_tokens": _count("max_new_tokens", max_new_tokens),
             "arrival": _time(arrival), "stop": frozenset(_ids("stop", stop)),
-            "n": _count("n", n)}
+            "n": _count("n", n), "sampling": sampling_.of(sampling)}
 
 
 def _ids(what: str, ids: Any, least: int = 0) -> tuple[int, ...]:
@@ -114,7 +130,16 @@ class Result:
     ``cached_tokens`` and ``computed_tokens`` are its samples' sums; ``admitted`` and
     ``first_token`` its first sample's, ``finished`` its last's; ``error`` the first failing
     sample's (``"sample k: ..."``: the others run to their end); ``last_logits``, where kept,
-    one row per sample."""
+    one row per sample.
+
+    Where the request asks (its :class:`~cacheidx.serve.sampling.Sampling`), ``logprobs``
+    holds one :class:`~cacheidx.serve.sampling.Logprob` per token (its log-probability and
+    the ``k`` likeliest tokens', the sampling's law 5). Where the engine has a detokenizer
+    (``Engine(detokenize=...)``), ``text`` is the continuation's text, cut before the first
+    stop string (law 6; a stop token id is not in it). ``finish_reason`` is ``"stop"`` (a
+    stop token or string ended it), ``"length"`` (``max_new_tokens``), or ``None`` (failed,
+    or not yet ended). For ``n`` > 1 samples each of the three is a list, sample ``k``'s at
+    ``k``, as ``tokens`` is; a sample's own lists grow in place as it runs."""
 
     id: Any
     prompt_ids: list[int]
@@ -132,6 +157,12 @@ class Result:
     ticket: int = dataclasses.field(default=-1, repr=False)
     #: the request's samples: ``tokens`` is ``n`` lists of ids where ``n`` > 1
     n: int = 1
+    #: each token's log-probabilities where asked (``n`` > 1: a list per sample)
+    logprobs: list[Logprob] | list[list[Logprob]] | None = None
+    #: the continuation's text, cut before a stop string, where the engine detokenizes
+    text: str | list[str | None] | None = None
+    #: ``"stop"`` or ``"length"`` once ended (``None``: failed or running)
+    finish_reason: str | list[str | None] | None = None
 
     @property
     def samples(self) -> list[list[int]]:
@@ -150,9 +181,22 @@ class Result:
                "cached_tokens": self.cached_tokens, "computed_tokens": self.computed_tokens}
         if self.n > 1:
             out["n"] = self.n
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        if self.logprobs is not None:
+            out["logprobs"] = _logprobs_json(self.logprobs, self.n > 1)
         if self.error is not None:
             out["error"] = self.error
         return out
+
+
+def _logprobs_json(lps: list, several: bool = False) -> list:
+    """Log-probabilities as JSON: ``{"token", "logprob", "top": [[id, logprob], ...]}`` each
+    (``several``: a list of them per sample)."""
+    if several:
+        return [_logprobs_json(x) for x in lps]
+    return [{"token": x.token, "logprob": x.logprob, "top": [list(t) for t in x.top]}
+            for x in lps]
 
 
 @dataclasses.dataclass(frozen=True)
