@@ -266,3 +266,62 @@ def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):
     made = len(traced)
     assert got == serve("jax", reqs, share=False)
     assert all(share == () for share in traced[made:]), "runs.unshared() still shared"
+
+
+# -- runs.sharing names what the runs read once --------------------------------------------------
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_sharing_names_the_prefixes_a_call_reads_once_and_a_draft_reads_none(backend,
+                                                                              shared_reads):
+    """Three lanes under one 80-column prefix: as a chunk of two tokens a lane, runs.sharing
+    names the group and attend reads its prefix once; as a draft of those tokens (whose own
+    columns the tiles read), under a selection and on a whole or packed index it names none
+    and attend reads none once. (It raised NumPy's broadcast error on a draft.)"""
+    import numpy as np
+
+    import cacheidx as ci
+    from cacheidx import backends
+
+    on = backends.get(backend)
+    pos, table, _, _ = jax_cases()["a draft"]  # JAX's program reads its prefix once
+    n = max(max(row) for row in table) + 1
+
+    def arr(a, dtype=None):
+        a = np.asarray(a)
+        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
+                            None)
+
+    chunk = ci.make(arr(pos), arr(table))
+    slots = np.asarray(table)[np.arange(len(pos))[:, None], np.asarray(pos)]
+    drafted = chunk.draft(arr(slots), arr(np.tril(np.ones((len(pos), 2, 2), bool))))
+    selected = chunk.select(arr(np.zeros((len(pos), 2, 3), np.int64)))
+    rng = np.random.default_rng(9)
+
+    def attend(ix):
+        draw = [rng.standard_normal(s).astype(np.float32) for s in (
+            (ix.batch, ix.seq, HEADS, DIM), (ix.batch, ix.seq, KV, DIM),
+            (ix.batch, ix.seq, KV, DIM), (n, KV, DIM), (n, KV, DIM))]
+        ix.attend(*(arr(a, on.xp.float32) for a in draw))
+
+    for what, ix, want in (("a chunk", chunk, [((0, 1, 2), 80)]), ("a draft", drafted, []),
+                           ("a selection", selected, []),
+                           ("whole", ci.whole(3, 2, xp=backend), []),
+                           ("packed", ci.packed(2, [[1, 1], [2], [2]], xp=backend), [])):
+        assert runs.sharing(ix, n, HEADS) == want, what
+        before = len(shared_reads)
+        attend(ix)
+        assert len(shared_reads) - before == len(want), f"{what}: prefixes read once"
+
+
+def test_sharing_of_a_traced_index_raises_naming_the_function():
+    """Inside a compiled step there are no values to find groups in: a ValueError naming
+    runs.sharing, not an error from deep in the plan."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    import cacheidx as ci
+
+    pos, table, _, _ = jax_cases()["one group"]
+    with pytest.raises(ValueError, match=r"cacheidx\.attention\.runs\.sharing: the index is "
+                                         r"traced"):
+        jax.jit(lambda p, t: runs.sharing(ci.make(p, t), 16 * PAGE, HEADS) and p)(
+            jnp.asarray(pos, dtype=jnp.int32), jnp.asarray(table, dtype=jnp.int32))

@@ -54,7 +54,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import plan as plans
-from ..devices import to_host as host
 from ..laws import inside
 from ..quantized import Quantized
 from . import layout, paths
@@ -168,8 +167,8 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
           ) -> _Runs | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, and (with ``share``) the groups
     of lanes sharing a prefix, or ``None`` where some lane's seen columns are not a few runs of
-    slots inside the pool. Worked out on the host, on a NumPy copy of the index: the laws' own
-    helpers, with no device round trip per piece."""
+    slots inside the pool. Worked out on the host, on the index's host values
+    (:meth:`~cacheidx.CacheIndex.host`): the laws' own helpers, nothing read from a device."""
     on_host = _host_index(index)
     table, some = on_host.lane_table, on_host.seen_by_some()
     width = int(table.shape[1])
@@ -247,9 +246,20 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None,
             scores: int | None = None) -> list[tuple[tuple[int, ...], int]]:
     """The groups of lanes of ``index`` (eager) whose shared prefix a call over pools of ``n``
     slots with ``heads`` query heads reads once: each group's lanes and its shared columns
-    ``0:width`` (what the plan finds; empty where nothing is shared)."""
+    ``0:width`` (what the plan finds; empty where nothing is shared).
+
+    A call the runs do not read (:func:`read` declines it) shares nothing here: a draft (its
+    columns end in the call's own tokens, which the tiles read; JAX's eager program does read
+    a draft's shared prefix once, :func:`cacheidx.attention.jax.sharing`), a selection, a
+    whole or packed index. Raises ``ValueError`` for a traced index (no values to find groups
+    in)."""
     from . import SCORES
 
+    if index.backend.tracing(index.pos):
+        raise ValueError("cacheidx.attention.runs.sharing: the index is traced (inside a "
+                         "compiled step): the groups are found from an eager index's values")
+    if not _reads(index):
+        return []
     found = _plan(index, n, scores or SCORES, heads, tile, True)
     return [] if not found else [(g.lanes, g.width) for g in found.groups]
 
@@ -367,8 +377,9 @@ plans.CARRY["runs"] = carry
 
 
 def _host_index(index: Any) -> Any:
-    """``index`` with its tensors copied to NumPy."""
-    return index.map(host)
+    """``index`` over its host values (:meth:`~cacheidx.CacheIndex.host`: never read back
+    from a device)."""
+    return index.host()
 
 
 def _one_lane(index: Any, b: int) -> Any:
@@ -381,12 +392,17 @@ def _one_lane(index: Any, b: int) -> Any:
     return dataclasses.replace(index, pos=index.pos[b:b + 1, :], table=table, blocks=blocks)
 
 
+def _reads(index: Any) -> bool:
+    """Whether the runs read a call over ``index`` (eager): a table's columns alone, neither a
+    selection's nor a draft's, nor a whole or packed index's tokens."""
+    return index.kind == "tabled" and index.columns is None and index.draft_slots is None
+
+
 def read(call: Any, scores: int) -> Any | None:
     """``call``'s output read through views of runs of slots, or ``None`` where the call is
     traced, selects columns, is a draft or whole, or some lane's slots are not a few runs."""
     index = call.index
-    if (index.kind != "tabled" or index.columns is not None or index.draft_slots is not None
-            or index.backend.tracing(index.pos)):
+    if index.backend.tracing(index.pos) or not _reads(index):
         return None
     xp, q, kpool, vpool = index.xp, call.q, call.kpool, call.vpool
     n = int(kpool.shape[0])
@@ -424,7 +440,7 @@ def _owned(call: Any, own: _Own, grouped: Any, dv: int, shared: dict) -> dict[in
     xp, index = call.index.xp, call.index
     lanes = list(own.lanes)
     state = Online(xp, "lane", xp.concat([grouped[b:b + 1, ...] for b in lanes], axis=0), dv,
-                   call.softcap, call.q.dtype)
+                   call.softcap, call.q.dtype, host=_in_host_memory(call))
     parts = [shared[b][0] for b in lanes]  # a lane shares one prefix: its group's
     state.merge(*(xp.concat([p[i] for p in parts], axis=0) for i in range(3)))
 
@@ -445,7 +461,8 @@ def _shared(call: Any, group: _Group, grouped: Any, dv: int, interleaved: bool,
     lanes = len(group.lanes)
     q = xp.concat([grouped[b:b + 1, ...] for b in group.lanes], axis=0)
     q = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, lanes * g, seq, d))
-    state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products)
+    state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products,
+                   host=_in_host_memory(call))
     _fold(call, state, q, 0, seq, group.pieces, None, interleaved)
     split = [xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1])))
              for x in (state.m, state.l, state.acc)]
@@ -464,7 +481,7 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
-                       products=products)
+                       products=products, host=_in_host_memory(call))
         for m, l, acc in shared:
             state.merge(m, l, acc)
         _fold(call, state, grouped, i0, i1, pieces, own, interleaved)
@@ -528,14 +545,21 @@ def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, 
     if got is None:
         return False
     m, l, acc = got
-    if not state.masked and bool(xp.any(m == -xp.inf)):
+    if not state.masked and (not state.host or bool(xp.any(m == -xp.inf))):
         # a query that weighed no column of the run (its scores all -inf): its l may stay zero,
-        # which the state then selects around, as after a mask
+        # which the state then selects around, as after a mask (asked only in host memory;
+        # selecting around a positive l changes nothing)
         state.masked = True
     shape = (1, kv, g, i1 - i0)
     state.merge(xp.reshape(m, (*shape, 1)), xp.reshape(l, (*shape, 1)),
                 xp.reshape(acc, (*shape, state.dv)))
     return True
+
+
+def _in_host_memory(call: Any) -> bool:
+    """Whether the call's queries lie in host memory (``Backend.on_host``), where a tile's
+    product is asked whether it is finite at no cost (:class:`~.softmax.Online`)."""
+    return call.index.backend.on_host(call.q)
 
 
 def _bytes(xp: Any, dtype: Any) -> int:
