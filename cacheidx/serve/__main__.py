@@ -6,6 +6,15 @@ its prefix cache.
                              [--pages N] [--page-size P] [--max-new-tokens N] [--no-cache]
                              [--json] [--lanes L] [--chunk C] [--compile | --eager]
                              [--kv int8|int4]
+    python -m cacheidx.serve --http HOST:PORT [--model PATH] [--queue N] [--grace S] [...]
+
+``--http HOST:PORT`` serves the model over HTTP instead, OpenAI's API
+(:mod:`cacheidx.serve.http`: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``, ``/metrics``), every connection's requests in one continuous batch, until
+SIGTERM drains it (exit status 0); ``--queue`` samples may wait beyond the lanes (past
+them: 429), ``--grace`` seconds a drain waits for the requests in flight; ``--max-new-tokens``
+is then each request's ``max_tokens`` where it says none, and the pool is ``--pages`` (default
+:func:`most_pages`).
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
 "content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
@@ -43,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import json
 import sys
 import time
@@ -73,6 +83,8 @@ class Served:
     template: Callable[[list[dict]], list[int]]
     decode: Callable[[list[int]], str] | None
     stop: tuple[int, ...] = ()
+    #: text to token ids (a completion's prompt, ``--http``); ``None``: none
+    encode: Callable[[str], list[int]] | None = None
 
 
 def smollm2() -> Served:
@@ -80,8 +92,12 @@ def smollm2() -> Served:
     from ..models import gguf
 
     config, params = gguf.load_smollm2()
+
+    def encode(text: str) -> list[int]:
+        return list(gguf.chat_tokenizer().tokenizer.encode(text, add_special_tokens=False).ids)
+
     return Served("SmolLM2-135M-Instruct", LlamaModel(config, params), gguf.conversation_ids,
-                  gguf.decode, (EOS,))
+                  gguf.decode, (EOS,), encode)
 
 
 def transformers_model(path: str) -> Served:
@@ -91,9 +107,11 @@ def transformers_model(path: str) -> Served:
     from ..integrations import transformers as cit
 
     loaded = cit.load(path)
+    tokenizer = loaded.tokenizer
     return Served(loaded.name, cit.model(loaded.model), loaded.template,
-                  loaded.decode if loaded.tokenizer is not None else None,
-                  tuple(sorted(cit.stop_ids(loaded.model))))
+                  loaded.decode if tokenizer is not None else None,
+                  tuple(sorted(cit.stop_ids(loaded.model))),
+                  None if tokenizer is None else lambda text: list(tokenizer.encode(text)))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
                                 "file that cannot be read or holds no request, no model or "
                                 "one that cannot be read), 130 interrupted (Ctrl-C): the "
                                 "finished answers are printed, the unfinished requests named.")
-    p.add_argument("requests", metavar="REQUESTS.jsonl", help="one request a line: "
+    p.add_argument("requests", metavar="REQUESTS.jsonl", nargs="?", help="one request a line: "
                    '{"id", "messages"} or {"id", "prompt_ids"}, optionally "arrival" (seconds, '
                    f"at most {LATEST:g}), \"max_new_tokens\" and \"n\" (parallel samples of "
                    "the prompt); - for stdin")
@@ -140,7 +158,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", choices=("int8", "int4"), default=None,
                    help="keep keys and values quantized: 8-bit or 4-bit codes and a float32 "
                    "scale per token and kv head (default: float pools)")
+    p.add_argument("--http", metavar="HOST:PORT", type=_address, default=None,
+                   help="serve OpenAI's HTTP API on HOST:PORT instead of a file of requests "
+                   "(SIGTERM drains and exits)")
+    p.add_argument("--queue", type=arguments.positive_arg, default=256,
+                   help="with --http: samples that may wait beyond the lanes (then 429)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="with --http: seconds a drain (SIGTERM) waits for requests in flight")
     return p
+
+
+def _address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6) as ``(host, port)``."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
 
 
 def most_pages(model: Any, kv: str | None) -> int:
@@ -184,6 +218,12 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.http is not None:
+        if args.requests is not None:
+            parser.error("give REQUESTS.jsonl or --http HOST:PORT, not both")
+        return _http(args, served, say)
+    if args.requests is None:
+        parser.error("the following arguments are required: REQUESTS.jsonl (or --http)")
     where = "stdin" if args.requests == "-" else args.requests
     try:  # the file first: a missing one is reported before the model loads
         if args.requests == "-":
@@ -313,6 +353,74 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
                 name = f"{r.id} sample {k}" if r.n > 1 else f"{r.id}"
                 print(_printable(f"[{name}] {text.strip()}"))
     return INTERRUPTED if interrupted else 1 if figures["failed"] else 0
+
+
+def _load(args: argparse.Namespace, served: Callable[[], Served],
+          say: Callable[[str], None]) -> Served | int:
+    """What the command serves, or the exit status 2 where it cannot be loaded."""
+    from ..models.gguf import ModelMissing
+
+    try:
+        return served()
+    except (ModelMissing, ImportError) as e:
+        say(str(e))
+        return 2
+    except (OSError, ValueError, TypeError) as e:
+        if args.model is None:
+            raise
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        say(f"cacheidx.serve: cannot serve {args.model}: {' '.join(why.split())}")
+        return 2
+
+
+def _http(args: argparse.Namespace, served: Callable[[], Served],
+          say: Callable[[str], None]) -> int:
+    """``--http``: the server (:func:`cacheidx.serve.http.serve`) until drained."""
+    try:
+        from . import http
+    except ImportError as e:
+        say(f"cacheidx.serve: --http needs the server's packages (pip install "
+            f"\"cacheidx[serve]\"): {e}")
+        return 2
+    t0 = time.perf_counter()
+    say("loading the model ...")
+    what = _load(args, served, say)
+    if isinstance(what, int):
+        return what
+    groups = Groups.of(getattr(what.model, "windows", None) or [None])
+    longest = getattr(what.model, "context", None)
+    pages = args.pages or most_pages(what.model, args.kv)
+    pools = groups.pools(pages, args.page_size, longest)
+    compile = args.compile or (args.backend == "jax" and not args.eager)
+    context = None  # compiled: one shape for each kind of call, as wide as the pool holds
+    if compile:
+        context = min(c for c in (longest, pages * args.page_size) if c is not None)
+    options = {"detokenize": what.decode} if what.decode is not None and \
+        "detokenize" in inspect.signature(Engine).parameters else {}
+    try:
+        engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
+                        pages=pools, page_size=args.page_size, lanes=args.lanes,
+                        chunk=args.chunk, cache=not args.no_cache,
+                        shapes="fixed" if compile else None, context=context, kv=args.kv,
+                        **options)
+    except ValueError as e:
+        say(str(e))
+        return 2
+    say(f"{what.name} loaded in {time.perf_counter() - t0:.1f}s on {args.backend}"
+        f"{', ' + args.device if args.device else ''}{', compiled' if compile else ''}; "
+        f"{pages} pages of {args.page_size} tokens, {args.lanes} lanes, cache "
+        f"{'off' if args.no_cache else 'on'}{', kv ' + args.kv if args.kv else ''}")
+    host, port = args.http
+    try:
+        return http.serve(engine, host, port, queue=args.queue, grace=args.grace, say=say,
+                          name=what.name, template=what.template, decode=what.decode,
+                          encode=what.encode, stop=what.stop,
+                          max_tokens=args.max_new_tokens,
+                          context=min(c for c in (longest, engine.scheduler.context,
+                                                  pages * args.page_size) if c is not None))
+    except OSError as e:  # the address is taken, or not this machine's
+        say(f"cacheidx.serve: cannot serve on {host}:{port}: {e}")
+        return 2
 
 
 def _printable(text: str) -> str:

@@ -33,6 +33,14 @@ Laws (the scheduler's, :mod:`cacheidx.serve.scheduler`, plus):
    the model's ``context`` and the engine's tokens) is kept as a full one (the groups' law
    4). A pool that cannot hold one window of its group, or one request where that is fewer
    pages, is refused when the engine is made.
+7. A caller that steps the engine itself (a server) may :meth:`Engine.cancel` a request
+   between steps: a request still to arrive or waiting is taken out of the queue; a running
+   one's lanes (every sample's) release their holds as a failing lane does (their pages free
+   or cached with no reader, before the next step's admission), and the request is answered
+   once, by the next step, its error :data:`CANCELLED`. :meth:`Engine.progress` says, after
+   each step, each request whose lanes ran in it and its samples' results as they stand (a
+   stream's tokens so far); :meth:`Engine.collect` takes a finished result that :meth:`run`
+   would otherwise keep for its caller.
 """
 
 from __future__ import annotations
@@ -56,11 +64,12 @@ from .requests import Request, Result
 from .scheduler import Batch, Scheduler
 from .step import Step, TableError
 
-__all__ = ["Engine", "state_every"]
+__all__ = ["CANCELLED", "Engine", "state_every"]
 
 
 _KINDS = ("prefill", "decode", "prefill warmup", "decode warmup")
 _WHERE = "serve.Engine"
+CANCELLED = "cancelled by its client"  #: a cancelled request's error (law 7)
 
 
 def _quiet(_: str) -> None:
@@ -184,6 +193,8 @@ class Engine:
         self.timing = dict.fromkeys(_KINDS, 0.0)
         self.calls = dict.fromkeys(_KINDS, 0)
         self.decode_tokens = 0  #: tokens decoded in calls that compiled nothing
+        self.cancelled = 0  #: requests cancelled (law 7)
+        self._ran: list[Any] = []  # the lanes of the last step's calls (law 7)
 
     # -- time ---------------------------------------------------------------------------------
     def now(self) -> float:
@@ -228,6 +239,7 @@ class Engine:
         call. Returns the results that finished in it."""
         now = self.now()
         done, self._refused = self._refused, []
+        self._ran = []
         for result in done:
             result.finished = now
         while self._pending and self._pending[0][0] <= now:
@@ -259,6 +271,7 @@ class Engine:
 
     def _call(self, batch: Batch) -> list[Result]:
         t0 = time.perf_counter()
+        self._ran.extend(batch.lanes)
         s = self.scheduler
         table, version = ((s.table, s.version) if len(s.tables) == 1
                           else (tuple(s.tables), tuple(s.versions)))
@@ -289,6 +302,55 @@ class Engine:
         message = f"the model's {batch.kind} call failed: {type(error).__name__}: {error}"
         result = self.scheduler.fail(batch.lanes[0], message, self.now())
         return [] if result is None else [result]  # None: a sample, its request runs on
+
+    # -- law 7: a caller that steps the engine itself -----------------------------------------
+    def cancel(self, ticket: int) -> bool:
+        """Law 7: cancels the request of ``ticket`` (arrived or not, waiting or running, every
+        sample of it); its result, error :data:`CANCELLED`, comes back from the next step.
+        Returns whether the engine held it (``False`` for one that finished or was never
+        submitted)."""
+        now, s = self.now(), self.scheduler
+        found = False
+        kept = [entry for entry in self._pending if entry[1] != ticket]
+        if len(kept) < len(self._pending):
+            (_, _, request), = (entry for entry in self._pending if entry[1] == ticket)
+            self._pending = kept
+            heapq.heapify(self._pending)
+            result = Result(request.id, list(request.prompt), arrival=request.arrival,
+                            ticket=ticket, n=request.n,
+                            tokens=[[] for _ in range(request.n)] if request.n > 1 else [])
+            result.error = CANCELLED
+            s.stats.failed += 1
+            self._refused.append(result)
+            found = True
+        ended = s.cancel(ticket, CANCELLED, now)  # waiting or running, every sample of it
+        if ended is not None:
+            self._refused.append(ended)
+            found = True
+        if found:
+            self.cancelled += 1
+            s.stats.used(self.cache)
+        return found
+
+    def progress(self) -> dict[int, list[Result]]:
+        """Law 7: each request whose lanes ran in the last step, by ticket: its samples'
+        results (one for a request of one sample) as they stand, the tokens chosen so far
+        included. The results are the engine's own: read them before the next step."""
+        out: dict[int, list[Result]] = {}
+        for lane in self._ran:
+            parts = [lane.result] if lane.samples is None else lane.samples.results
+            out.setdefault(lane.result.ticket, parts)
+        return out
+
+    def collect(self, ticket: int) -> Result:
+        """Law 7: the finished result of ``ticket``, taken from those :meth:`run` returns
+        (``KeyError`` where none finished)."""
+        result = self._finished.pop(ticket)
+        try:
+            self._open.remove(ticket)
+        except ValueError:
+            pass
+        return result
 
     def run(self, requests: Iterable[Request] = (), *,
             on_finish: Callable[[Result], None] | None = None,
