@@ -71,11 +71,17 @@ def test_a_packed_batch_equals_each_sequence_alone():
 
 @pytest.mark.parametrize("schedule", [True, False], ids=["schedule", "tables"])
 def test_prefix_shared_prefill_computes_less_and_equals_each_prompt_alone(schedule):
-    if schedule and importlib.util.find_spec("cacheidx.prefix.schedule") is None:
-        pytest.skip("cacheidx.prefix.schedule is not there yet")
+    """The waves (from cacheidx.prefix.schedule, or the plan's tables) compute fewer tokens
+    than the prompts hold, and each of the 7 prompts' last logits and greedy tokens equal the
+    prompt's alone."""
     c = run("prefix_prefill", "--backend", "numpy", *([] if schedule else ["--no-schedule"]))
+    source = "cacheidx.prefix.schedule" if schedule else "plan.tables()"
+    assert f"waves from {source}" in c.title, c.title
     assert c.values["computed"] < sum(len(q) for q in example("prefix_prefill").prompts_of(
         example("_common").Env("numpy")))
+    assert sum("last logits equal the prompt alone" in k for k in c.results) == 7
+    assert sum("decoding from the shared cache equals decoding it alone" in k
+               for k in c.results) == 7
 
 
 def test_an_example_runs_from_the_command_line():

@@ -5,7 +5,8 @@ Counted with a ``TorchDispatchMode`` on an index that an earlier layer already u
 keeps its store and read plans for every layer's pool), views left out (they launch nothing).
 Two paths: the CPU's (the kept stores and the rows to zero found once on the host) and a
 device's (``cacheidx::store_rows_`` and ``cacheidx::gated_rows``, one kernel each on CUDA; here
-they run their plain-torch stand-ins, inside the one operation the mode sees).
+they run their plain-torch stand-ins, inside the one operation the mode sees; the device path's
+laws run through the kernels too, as C++ on the host).
 """
 
 from __future__ import annotations
@@ -106,11 +107,29 @@ def test_the_plans_are_kept_per_pool_size():
     assert small.sum() == 0 and seen.sum() == 0
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["CUDA kernels", "plain torch"])
 @pytest.mark.parametrize("donate", [False, True])
-def test_the_device_path_keeps_every_law(donate, monkeypatch):
-    """Through the device plans and operations: drops drop (slot 0 kept, no -1 wrap), unseen
-    columns are zero over NaN, the caller's pool is untouched unless donated."""
+def test_the_device_path_keeps_every_law(donate, kernels, monkeypatch):
+    """Through the device plans and operations, their CUDA kernels (run on the host as C++,
+    tests/cuda_emulation.py: no GPU here) and their plain-torch stand-ins (ROCm, kernels that
+    did not compile): drops drop (slot 0 kept, no -1 wrap), unseen columns are zero over NaN,
+    the caller's pool is untouched unless donated; each kernel launched once."""
     monkeypatch.setattr(torch_backend, "_on_host", lambda *_: False)
+    launched = []
+    if kernels:
+        from cuda_emulation import COMPILER, Kernel
+
+        from cacheidx.backends import rowkernels
+
+        if COMPILER is None:
+            pytest.skip("no C++ compiler for the host to run the CUDA kernels on")
+
+        def kernel(name, word, device):
+            launched.append(Kernel(rowkernels.source(word), name))
+            return launched[-1]
+
+        monkeypatch.setattr(torch_rows, "kernels_on", lambda x: True)
+        monkeypatch.setattr(torch_rows, "kernel", kernel)
     table = torch.tensor([[0, 3, -1, 9], [5, 2, 1, 4]])
     index = ci.make(torch.tensor([[1], [4]]), table)  # lane 1 runs past its table: dropped
     pool = torch.arange(10 * 2, dtype=torch.float32).reshape(10, 2)
@@ -127,6 +146,7 @@ def test_the_device_path_keeps_every_law(donate, monkeypatch):
     zero = torch.zeros(2)
     torch.testing.assert_close(seen[0], torch.stack([before[0], values[0, 0], zero, zero]))
     torch.testing.assert_close(seen[1], torch.stack([before[5], before[2], before[1], before[4]]))
+    assert [k.launches for k in launched] == ([1, 1] if kernels else []), "kernel launches"
 
 
 def test_the_operations_have_fake_kernels():

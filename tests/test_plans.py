@@ -183,15 +183,19 @@ def test_advance_carries_the_runs_a_decode_step_reads():
 
 
 def test_threads_sharing_an_index_read_one_plan():
-    """Several threads attending through one index get one output each equal to a lone
-    call's."""
+    """Four threads attending through one index at once (a barrier starts them together) each
+    get a lone call's output, and leave the index one plan: a lone call's parts, no more,
+    which a later call reads without making any."""
     q, k, v, kpool, vpool = inputs("numpy")
     index = ci.rows(16, [3, 5])
-    want = ci.rows(16, [3, 5]).attend(q, k, v, kpool, vpool)
+    lone = ci.rows(16, [3, 5])
+    want = lone.attend(q, k, v, kpool, vpool)
     got, errors = [], []
+    start = threading.Barrier(4)
 
     def run():
         try:
+            start.wait(timeout=60)
             got.append(index.attend(q, k, v, kpool, vpool))
         except Exception as e:  # pragma: no cover - what the test reports
             errors.append(e)
@@ -203,6 +207,10 @@ def test_threads_sharing_an_index_read_one_plan():
         t.join(timeout=60)
     assert not errors and len(got) == 4
     assert all(equal(g, want) for g in got)
+    assert lone.plan._parts and set(index.plan._parts) == set(lone.plan._parts), index.plan
+    made = index.plan.made
+    assert equal(index.attend(q, k, v, kpool, vpool), want)
+    assert index.plan.made == made, "a call after the threads made a part again"
 
 
 #: one compiled step for every example: Hypothesis feeds it indices of many kinds
