@@ -3,7 +3,8 @@ of them wait for a request still computing a prefix they share.
 
 Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 
-1. A request is refused when it is submitted, never queued, where it holds a token id at or
+1. A request is refused when it is submitted, never queued, where it asks for more samples
+   than :attr:`Admission.most_samples` (``MOST_SAMPLES``, 128: OpenAI's cap), holds a token id at or
    past the model's ``vocab``, needs more pages (its prompt and ``max_new_tokens - 1`` more
    positions) than the full group's pool has, or more tokens than the engine's ``context``
    or the model's ``longest``: the first of these that holds is its reason. A request of
@@ -12,7 +13,12 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
    ``(len(prompt) - 1) // P``) counted once with the cache on (the scheduler's law 6), once
    per sample without.
 2. The queue is in submission order, each waiting request under its number in the queue (a
-   count), never under the identity of an object: taking one out takes exactly that one.
+   count), never under the identity of an object: taking one out takes exactly that one. A
+   request of ``n`` samples is one entry, whatever ``n``, its
+   :class:`~cacheidx.serve.batches.Samples` counting those started; it leaves the queue
+   when its last sample starts. Admission reads the queue in place, oldest first, and stops
+   at the first request that fits nowhere: a step's admission costs the entries it reads,
+   never a copy of the queue.
 3. A request is held back (the scheduler's law 2) while a request still computing its
    prompt shares more whole pages with it than the cache holds of it now (counting at most
    ``(len(prompt) - 1) // P``, as ``match`` caps) and will cache them. With sliding groups
@@ -24,13 +30,14 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 
 from ..prefix.cache import PrefixCache
 from ..prefix.reach import first_page, hit_pages
-from .batches import Lane
-from .requests import Request, Result
+from .batches import Lane, Samples
+from .requests import MOST_SAMPLES, Request, Result
 
 __all__ = ["Admission"]
 
@@ -40,6 +47,9 @@ class Admission:
     ``chunk`` prompt tokens, and the limits it refuses requests by: the engine's
     ``context`` and the model's ``vocab`` and ``longest``, where given, and (for a request
     of several samples) its ``lanes`` and whether it reads the cache (``reuse``)."""
+
+    #: the most samples a request may ask for (law 1)
+    most_samples: int = MOST_SAMPLES
 
     def __init__(self, cache: PrefixCache, *, chunk: int, context: int | None = None,
                  vocab: int | None = None, longest: int | None = None, lanes: int = 1,
@@ -51,12 +61,16 @@ class Admission:
         self._sliding = [w for w in windows if w is not None]
         self._full = windows.index(None) if None in windows else None
         self._several = len(windows) > 1
-        self._queue: dict[int, tuple[Request, Result]] = {}  # law 2: in submission order
+        # law 2: in submission order
+        self._queue: dict[int, tuple[Request, Result, Samples | None]] = {}
         self._numbers = itertools.count()
 
     # -- law 1 --------------------------------------------------------------------------------
     def refusal(self, request: Request) -> str | None:
         """Why this engine can never serve ``request`` (law 1), or ``None``."""
+        if request.n > self.most_samples:
+            return (f"request {request.id!r} asks for n={request.n} samples; the engine serves "
+                    f"at most {self.most_samples} a request")
         total = len(request.prompt) + request.max_new_tokens - 1
         need = self.cache.pages_for(total)
         what = (f"({len(request.prompt)} prompt tokens and up to {request.max_new_tokens} new "
@@ -94,20 +108,25 @@ class Admission:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def queue(self, request: Request, result: Result) -> int:
-        """``request``, answered by ``result``, waits behind every request queued before it;
-        returns its number."""
+    def queue(self, request: Request, result: Result, samples: Samples | None = None) -> int:
+        """``request``, answered by ``result`` (its samples counted by ``samples``, for
+        ``n`` > 1), waits behind every request queued before it; returns its number."""
         number = next(self._numbers)
-        self._queue[number] = (request, result)
+        self._queue[number] = (request, result, samples)
         return number
 
+    def entries(self) -> Any:
+        """The queue itself, read in place, oldest first: ``number -> (request, result,
+        samples)`` (take none out while reading it)."""
+        return self._queue.items()
+
     def waiting(self) -> list[tuple[int, Request, Result]]:
-        """The waiting requests, oldest first, each with its number (a copy: taking one out
-        while reading it is safe)."""
-        return [(n, request, result) for n, (request, result) in self._queue.items()]
+        """The waiting requests, oldest first, each with its number and its result (a copy:
+        taking one out while reading it is safe)."""
+        return [(n, request, result) for n, (request, result, _) in self._queue.items()]
 
     def take(self, number: int) -> None:
-        """Request ``number`` is admitted: it waits no more."""
+        """Request ``number`` is admitted (its last sample): it waits no more."""
         del self._queue[number]
 
     # -- law 3 --------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ Laws, for lanes in the scheduler's running order:
 3. Lane ``b`` of a call is the request in row ``rows[b]`` of the scheduler's tables
    (:mod:`cacheidx.serve.tables`); :meth:`Batch.alone` is lane ``b``'s call by itself, fed
    from the host.
-4. A request of ``n`` > 1 samples runs as ``n`` lanes, each with a result of its own and
-   the request's :class:`Samples`, which gathers them into the request's result once the
-   last ended (the scheduler's law 6).
+4. A request of ``n`` > 1 samples runs as ``n`` lanes, each with a result of its own (made
+   as it starts) and the request's :class:`Samples`, which gathers them into the request's
+   result once the last ended (the scheduler's law 6).
 """
 
 from __future__ import annotations
@@ -36,21 +36,52 @@ __all__ = ["Batch", "Lane", "Samples", "decode", "prefill"]
 @dataclasses.dataclass(eq=False)
 class Samples:
     """The lanes of one request of ``n`` > 1 samples (law 4): ``result`` is the request's,
-    ``results[k]`` sample ``k``'s (a result of one sample), ``ended`` how many have ended."""
+    ``results[k]`` sample ``k``'s (a result of one sample), made as sample ``k`` starts
+    (:meth:`start`), never all up front; ``ended`` how many have ended (or will never
+    start: :meth:`drop`)."""
 
     result: Result
-    results: list[Result]
+    n: int
+    results: list[Result] = dataclasses.field(default_factory=list)
     ended: int = 0
 
     @property
     def done(self) -> bool:
         """Whether every sample has ended."""
-        return self.ended == len(self.results)
+        return self.ended == self.n
+
+    @property
+    def started(self) -> int:
+        return len(self.results)
+
+    def start(self, request: Request) -> tuple[int, Result]:
+        """Sample ``k``, the next, starts: ``(k, its result)``; the request's result lists its
+        tokens (and log-probabilities) from now on, growing in place."""
+        k, out = len(self.results), self.result
+        part = Result(out.id, list(request.prompt), arrival=out.arrival, ticket=out.ticket)
+        if out.logprobs is not None:
+            part.logprobs = []
+            out.logprobs.append(part.logprobs)
+        out.tokens.append(part.tokens)
+        self.results.append(part)
+        return k, part
+
+    def drop(self) -> None:
+        """The samples not started never will (a cancelled request): they count as ended."""
+        self.ended += self.n - len(self.results)
+        self.n = len(self.results)
 
     def gather(self, now: float) -> Result:
-        """The request's result, from its samples' (see :class:`Result`)."""
+        """The request's result, from its samples' (see :class:`Result`); an error set on it
+        before (a cancellation) stays."""
         out, parts = self.result, self.results
-        out.tokens = [r.tokens for r in parts]
+        never: list = [[] for _ in range(out.n - len(parts))]  # cancelled, never started
+        out.tokens = [r.tokens for r in parts] + never
+        if out.logprobs is not None:
+            out.logprobs = [r.logprobs for r in parts] + never
+        out.finish_reason = [r.finish_reason for r in parts] + [None] * len(never)
+        if any(r.text is not None for r in parts):
+            out.text = [r.text for r in parts] + [None] * len(never)
         out.cached_tokens = sum(r.cached_tokens for r in parts)
         out.computed_tokens = sum(r.computed_tokens for r in parts)
         admitted = [r.admitted for r in parts if r.admitted is not None]
@@ -58,9 +89,10 @@ class Samples:
         first = [r.first_token for r in parts if r.first_token is not None]
         out.first_token = min(first, default=None)
         out.finished = now
-        out.error = next((f"sample {k}: {r.error}" for k, r in enumerate(parts)
-                          if r.error is not None), None)
-        if all(r.last_logits is not None for r in parts):
+        if out.error is None:
+            out.error = next((f"sample {k}: {r.error}" for k, r in enumerate(parts)
+                              if r.error is not None), None)
+        if parts and all(r.last_logits is not None for r in parts):
             out.last_logits = np.stack([r.last_logits for r in parts])
         return out
 
@@ -78,6 +110,8 @@ class Lane:
     done: int
     data: np.ndarray = dataclasses.field(repr=False)  #: the prompt, int64
     samples: Samples | None = dataclasses.field(default=None, repr=False)
+    #: its number among its request's samples (0 for a request of one): what it draws by
+    sample: int = 0
     #: the snapshot its first call copies into its running slot (-1: none; law 14)
     resume: int = -1
 

@@ -122,7 +122,12 @@ class Engine:
     :func:`state_every` of the model's ``state_bytes()`` against its ``token_bytes``), and
     ``snapshots`` the snapshot pool's slots (by default one per block of the full group's
     pages, and one per lane). An ``executor`` that computes recurrent layers is told
-    ``state_every``, and its ``run`` is given the table of blocks (``blocks=``)."""
+    ``state_every``, and its ``run`` is given the table of blocks (``blocks=``).
+
+    ``detokenize`` (token ids to text, a tokenizer's ``decode``) lets requests stop on
+    strings (``Sampling(stop=...)``) and gives each result its ``text`` (the scheduler's law
+    8); a request's sampling (``Request(..., sampling=...)``) is chosen by the laws of
+    :mod:`cacheidx.serve.sampling` on every backend and compile mode."""
 
     def __init__(self, model: Any = None, *, executor: Any = None, backend: str = "numpy",
                  device: str | None = None, compile: bool | str = False, pages: int = 256,
@@ -131,7 +136,8 @@ class Engine:
                  clock: str = "seconds", shapes: str | None = None,
                  context: int | None = None, debug: bool = False,
                  windows: Any = None, kv: str | None = None,
-                 state_every: int | None = None, snapshots: int | None = None):
+                 state_every: int | None = None, snapshots: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
         if (model is None) == (executor is None):
             raise ValueError("cacheidx.serve.Engine: give a model or an executor (one)")
         llama.kv_bits(_WHERE, kv)
@@ -162,7 +168,8 @@ class Engine:
                                    aligned=bool(getattr(model, "final_states_only", False))
                                    and self.states is not None,
                                    lanes_per_prefill=getattr(model, "lanes_per_prefill", None)
-                                   if self.states is not None else None)
+                                   if self.states is not None else None,
+                                   detokenize=detokenize)
         #: why reuse could not happen, each said once (law 6)
         self.notes: list[str] = []
         #: one sequence's state in every recurrent layer (law 6), 0 without

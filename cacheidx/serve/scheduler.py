@@ -33,9 +33,11 @@ call computes) and :mod:`.statistics` (what is counted). Laws, for a
    one); law 2 holds a request back only for pages whose windows the computing request will
    keep: its prompt's last window, or the window where the two part, which it is then told to
    keep (``PrefixCache.keep``) where its pools have room.
-6. Parallel samples (``Request(..., n=N)``): a request of ``N`` > 1 samples is queued as
-   ``N`` requests of its prompt, one after the other, each a lane of its own row and pages
-   (:class:`~cacheidx.serve.batches.Samples`). With the cache on, law 2 holds the later
+6. Parallel samples (``Request(..., n=N)``): a request of ``N`` > 1 samples is queued
+   once, and admitted as ``N`` requests of its prompt, one after the other, each a lane of
+   its own row and pages, sample ``k``'s result made as it starts
+   (:class:`~cacheidx.serve.batches.Samples`): the queue, the results and the lanes grow
+   with the samples running, never with ``N`` up front. With the cache on, law 2 holds the later
    samples back while the first computes the prompt; admitted then, each reads the prompt's
    whole pages from the cache (``match``'s ``(len(prompt) - 1) // P``) and computes only
    the tokens past them, 1 to ``P``, into a page of its own: so a page is never written by
@@ -59,11 +61,19 @@ call computes) and :mod:`.statistics` (what is counted). Laws, for a
    end) copies that lane's running state into its junction slot (``Batch.keeps``); a hit
    that ends at a junction copies it into the lane's running slot before its first call
    (``Batch.resumes``).
+8. What a token does (:mod:`cacheidx.serve.sampling`): a lane whose request asks for
+   log-probabilities records one :class:`~cacheidx.serve.sampling.Logprob` per token, of
+   the call's logits (the sampling's law 5). A sample ends at a stop token (kept), at the
+   token after which its detokenized continuation holds a stop string (with
+   ``detokenize``; the sampling's law 6), or at ``max_new_tokens``; its ``finish_reason``
+   says which (``"stop"``, ``"length"``), and with ``detokenize`` its ``text`` is its
+   continuation's, less a last stop token, cut before the first stop string.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -73,6 +83,7 @@ from . import batches
 from .admission import Admission
 from .batches import Batch, Lane, Samples
 from .requests import Request, Result
+from .sampling import cut, logprobs_of
 from .statistics import Statistics
 from .tables import SlotTables
 
@@ -98,7 +109,8 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, *, lanes: int, chunk: int, reuse: bool = True,
                  context: int | None = None, vocab: int | None = None,
                  longest: int | None = None, aligned: bool = False,
-                 lanes_per_prefill: int | None = None):
+                 lanes_per_prefill: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
         if lanes < 1 or chunk < 1 or (context is not None and context < 1):
             raise ValueError(f"cacheidx.serve.Scheduler: lanes, chunk and context must be "
                              f"positive, got {lanes}, {chunk} and {context}")
@@ -126,7 +138,8 @@ class Scheduler:
         self.stats = Statistics(self.windows)
         self.running: list[Lane] = []
         self._last_decode: tuple[Lane, ...] = ()
-        self._samples: dict[int, Samples] = {}  # law 6: a queued sample's number -> its request
+        #: token ids to text, for stop strings and results' text (law 8); None: neither
+        self.detokenize = detokenize
 
     context = _part("admission", "context")
     vocab = _part("admission", "vocab")  #: the model's limits, where it says them
@@ -155,12 +168,7 @@ class Scheduler:
     def waiting(self) -> tuple[Result, ...]:
         """The results of the waiting requests, oldest first (a request of several samples
         once, while one of them waits)."""
-        out: dict[int, Result] = {}
-        for number, _, result in self.admission.waiting():
-            samples = self._samples.get(number)
-            result = result if samples is None else samples.result
-            out.setdefault(id(result), result)
-        return tuple(out.values())
+        return tuple(result for _, (_, result, _) in self.admission.entries())
 
     @property
     def table(self) -> np.ndarray:
@@ -173,55 +181,71 @@ class Scheduler:
         return self.admission.refusal(request)
 
     def submit(self, request: Request, now: float, ticket: int = -1) -> Result | None:
-        """Queues ``request`` (of ``n`` samples: ``n`` lanes, law 6); returns its failed
-        result at once if the engine can never serve it (:meth:`refusal`)."""
-        n = request.n
+        """Queues ``request`` (of ``n`` samples: one entry, ``n`` lanes as they start, law 6);
+        returns its failed result at once if the engine can never serve it
+        (:meth:`refusal`)."""
         result = Result(request.id, list(request.prompt), arrival=request.arrival, ticket=ticket,
-                        n=n, tokens=[[] for _ in range(n)] if n > 1 else [])
-        result.error = self.refusal(request)
+                        n=request.n)
+        result.error = self.refusal(request)  # first: nothing is made of a refused n
         if result.error is not None:
+            if 1 < request.n <= self.admission.most_samples:  # n empty samples, as promised
+                result.tokens = [[] for _ in range(request.n)]
             result.finished = now
             self.stats.failed += 1
             return result
-        if n == 1:
-            self.admission.queue(request, result)
-            return None
-        samples = Samples(result, [Result(request.id, list(request.prompt),
-                                          arrival=request.arrival, ticket=ticket)
-                                   for _ in range(n)])
-        for part in samples.results:
-            self._samples[self.admission.queue(request, part)] = samples
+        if request.sampling is not None and request.sampling.logprobs is not None:
+            result.logprobs = []
+        samples = Samples(result, request.n) if request.n > 1 else None
+        self.admission.queue(request, result, samples)
         return None
 
     def admit(self, now: float) -> list[Lane]:
         """Admits waiting requests in order while rows and pages allow (law 1), passing over
-        those law 2 holds back."""
+        those law 2 holds back; a request of several samples admits them one at a time (law
+        6). Reads the queue in place, to the first request that fits nowhere (the
+        admission's law 2)."""
         admitted: list[Lane] = []
         computing = [lane for lane in self.running if lane.prefilling]
-        for number, request, result in self.admission.waiting():
-            if not self.slots.free:
+        taken: list[int] = []
+        full = False
+        for number, (request, result, samples) in self.admission.entries():
+            data = None
+            while samples is None or samples.started < samples.n:
+                if not self.slots.free:
+                    full = True
+                    break
+                if data is None:
+                    data = np.asarray(request.prompt, dtype=np.int64)
+                if self.reuse and self.admission.held_back(data, computing):
+                    break  # its later samples are held back as well
+                total = len(data) + request.max_new_tokens - 1
+                hold = self.cache.admit(data, total, reuse=self.reuse,  # submit checked it
+                                        call=self.chunk)
+                if hold is None:
+                    full = True  # the oldest request that fits nowhere yet waits; so do
+                    break        # the younger
+                k, part = (0, result) if samples is None else samples.start(request)
+                lane = Lane(request, part, hold, self.slots.take(), hold.cached, data,
+                            samples, k)
+                if self.cache.every is not None:
+                    lane.resume = hold.groups[-1].resume
+                self._place(lane)
+                part.admitted = now
+                part.cached_tokens = hold.cached
+                self.stats.cached_tokens += hold.cached
+                self.stats.prompt_tokens += len(data)
+                self.running.append(lane)
+                computing.append(lane)
+                admitted.append(lane)
+                if samples is None:
+                    taken.append(number)
+                    break
+            if samples is not None and samples.started == samples.n:
+                taken.append(number)
+            if full:
                 break
-            data = np.asarray(request.prompt, dtype=np.int64)
-            if self.reuse and self.admission.held_back(data, computing):
-                continue
-            total = len(data) + request.max_new_tokens - 1
-            hold = self.cache.admit(data, total, reuse=self.reuse,  # submit checked the size
-                                    call=self.chunk)
-            if hold is None:
-                break  # the oldest request that fits nowhere yet waits; so do the younger
+        for number in taken:
             self.admission.take(number)
-            lane = Lane(request, result, hold, self.slots.take(), hold.cached, data,
-                        self._samples.pop(number, None))
-            if self.cache.every is not None:
-                lane.resume = hold.groups[-1].resume
-            self._place(lane)
-            result.admitted = now
-            result.cached_tokens = hold.cached
-            self.stats.cached_tokens += hold.cached
-            self.stats.prompt_tokens += len(data)
-            self.running.append(lane)
-            computing.append(lane)
-            admitted.append(lane)
         if admitted:
             self.stats.rounds += 1
             self.stats.used(self.cache)
@@ -303,15 +327,67 @@ class Scheduler:
                 if self.reuse:
                     self.cache.insert(lane.hold, lane.data)
             token = int(chosen[b])
-            lane.result.tokens.append(token)
+            result, asks = lane.result, lane.request.sampling
+            result.tokens.append(token)
             if logits is not None:
                 lane.result.last_logits = np.asarray(logits[b], dtype=np.float32)
             self.stats.generated_tokens += 1
-            if token in lane.request.stop or len(lane.result.tokens) >= lane.request.max_new_tokens:
+            if result.logprobs is not None:  # law 8: the sampling's law 5
+                if logits is None:
+                    ended = self.fail(lane, "the engine's executor gave no logits for its "
+                                      "log-probabilities", now)
+                    if ended is not None:
+                        finished.append(ended)
+                    continue
+                result.logprobs.append(logprobs_of(logits[b], token, asks.logprobs))
+            reason = self._ends(lane, token)
+            if reason is not None:
+                result.finish_reason = reason
                 ended = self._finish(lane, now)
                 if ended is not None:
                     finished.append(ended)
         return finished
+
+    def _ends(self, lane: Lane, token: int) -> str | None:
+        """Law 8: why ``lane`` ends with ``token`` (``"stop"``: a stop token, or its
+        continuation's text holds a stop string; ``"length"``: its ``max_new_tokens``), or
+        ``None``."""
+        request, tokens = lane.request, lane.result.tokens
+        if token in request.stop:
+            return "stop"
+        stops = request.sampling.stop if request.sampling is not None else ()
+        if stops and self.detokenize is not None and cut(self.detokenize(tokens), stops)[1]:
+            return "stop"
+        return "length" if len(tokens) >= request.max_new_tokens else None
+
+    def cancel(self, ticket: int, error: str, now: float) -> Result | None:
+        """Law 4, for a caller: the request of ``ticket`` ends with ``error`` (its result's),
+        whether it waits or runs, every sample of it. Its samples not started leave the
+        queue and never start; its running lanes fail (:meth:`fail`: holds released, rows
+        cleared). Returns its result, counted failed, once every sample of it has ended;
+        ``None`` where the scheduler holds no such request."""
+        gathered = None
+        for number, (_, result, samples) in list(self.admission.entries()):
+            if result.ticket != ticket:
+                continue
+            self.admission.take(number)
+            result.error = error
+            if samples is None:
+                result.finished = now
+                self.stats.failed += 1
+                return result
+            samples.drop()
+            gathered = samples
+            break
+        out = None
+        for lane in [lane for lane in self.running if lane.result.ticket == ticket]:
+            if lane.samples is not None:
+                lane.samples.result.error = error
+            out = self.fail(lane, error, now) or out
+        if out is None and gathered is not None and gathered.done:  # none of it running
+            self.stats.failed += 1
+            out = gathered.gather(now)
+        return out
 
     def fail(self, lane: Lane, error: str, now: float) -> Result | None:
         """Law 4: the running request of ``lane`` fails with ``error``: what its last call
@@ -327,6 +403,11 @@ class Scheduler:
         self._last_decode = ()
 
     def _finish(self, lane: Lane, now: float) -> Result | None:
+        if self.detokenize is not None:  # law 8: its text, cut before a stop string
+            tokens, request = lane.result.tokens, lane.request
+            text = self.detokenize(tokens[:-1] if tokens[-1] in request.stop else tokens)
+            stops = request.sampling.stop if request.sampling is not None else ()
+            lane.result.text = cut(text, stops)[0] if stops else text
         if self.reuse:  # the pages filled while decoding: every token but the last is written
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
             self.cache.insert(lane.hold, written)

@@ -37,6 +37,13 @@ Laws of :class:`Step`:
    codes and scales, a named tuple every ``tree_map``, compiler and ``Backend.refill``
    takes as two arrays). Every law above holds of them unchanged: a page's scales sit at its
    slots, so a prefix hit reads the codes and scales its first request stored.
+9. Each lane's token is the argmax of its logits, the program's own choice, where every
+   lane of the call is greedy without penalties; otherwise every lane's is
+   :func:`cacheidx.serve.sampling.choose` of the logits under the lanes' draw
+   (:func:`cacheidx.serve.sampling.draw`: its seed, sample number and step), one program
+   after the model's (JAX: compiled once per shape; elsewhere the library's eager
+   operations), so the model's programs and their count are the greedy engine's. A decode
+   call's tokens are fed to the next call whichever chose them.
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ from .. import devices
 from ..devices import to_host
 from ..models import llama
 from ..models.llama import tree_map
+from . import sampling
 from .groups import Groups
+from .sampling import Draw
 from .scheduler import Batch
 
 __all__ = ["Step", "TableError", "buckets", "to_host"]
@@ -222,9 +231,11 @@ class Step:
         self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":
             chosen, logits, pools = self._prefill(self.weights, tokens_in, index, self.pools)
+            chosen = self._sampled(batch, chosen, logits)
             self._fed = None
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
+            chosen = self._sampled(batch, chosen, logits)  # law 9: fed on as the greedy are
             self._fed = _Fed(key, chosen, nxt) if self.compiled else _Fed(key, chosen, None,
                                                                           indices)
         self.pools = (tree_map(self.backend.refill, self.pools, pools) if self.compiled
@@ -232,8 +243,22 @@ class Step:
         if batch.keeps:  # law 8: junctions kept
             self._copy(batch.keeps, "snapshots")
         out = self._host(chosen).reshape(-1)[:lanes]
-        kept = self._host(logits)[:lanes] if self.keep_logits else None
+        kept = self._host(logits)[:lanes] if self.keep_logits or sampling.wants_logprobs(
+            batch.lanes) else None
         return out, kept, new
+
+    def _sampled(self, batch: Batch, chosen: Any, logits: Any) -> Any:
+        """Law 9: the call's tokens, ``chosen`` (the program's argmax) where every lane is
+        greedy without penalties, else :func:`cacheidx.serve.sampling.choose` of its lanes'
+        draw over ``logits``, in ``chosen``'s shape and dtype."""
+        d = sampling.draw(batch.lanes, int(logits.shape[0]), int(logits.shape[-1]))
+        if d is None:
+            return chosen
+        be, xp = self.backend, self.xp
+        on = Draw(*(None if a is None else be.from_host(a, getattr(xp, a.dtype.name),
+                                                        self.device) for a in d))
+        picked = _chooser(be, self.device)(logits, on)
+        return xp.reshape(xp.astype(picked, chosen.dtype), chosen.shape)
 
     def _copy(self, pairs: tuple, into: str) -> None:
         """Law 8: every recurrent layer's states copied for ``(row, slot)`` ``pairs``
@@ -353,6 +378,24 @@ def _same(index: Any) -> Any:
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHOOSERS: dict = {}
+
+
+def _chooser(backend: Any, device: Any) -> Any:
+    """Law 9: :func:`cacheidx.serve.sampling.choose` on ``backend`` and ``device`` as one
+    program of the backend's (``one_program``), made once per process."""
+    key = (backend.name, repr(device))
+    have = _CHOOSERS.get(key)
+    if have is None:
+        xp = backend.xp
+
+        def pick(logits: Any, d: Draw) -> Any:
+            return sampling.choose(xp, logits, d, device=device)
+
+        have = _CHOOSERS[key] = backend.inference(backend.one_program(pick))
+    return have
+
+
 
 
 def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None,
