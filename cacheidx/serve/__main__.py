@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import sys
 import time
@@ -395,14 +394,12 @@ def _http(args: argparse.Namespace, served: Callable[[], Served],
     context = None  # compiled: one shape for each kind of call, as wide as the pool holds
     if compile:
         context = min(c for c in (longest, pages * args.page_size) if c is not None)
-    options = {"detokenize": what.decode} if what.decode is not None and \
-        "detokenize" in inspect.signature(Engine).parameters else {}
     try:
         engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
                         pages=pools, page_size=args.page_size, lanes=args.lanes,
                         chunk=args.chunk, cache=not args.no_cache,
                         shapes="fixed" if compile else None, context=context, kv=args.kv,
-                        **options)
+                        detokenize=what.decode)  # stop strings (the sampling's law 6)
     except ValueError as e:
         say(str(e))
         return 2

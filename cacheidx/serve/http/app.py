@@ -284,45 +284,46 @@ def app(loop: Loop, *, name: str, template: Callable[[list[dict]], list[int]],
                 yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for c in choices])
             while True:
+                # what has ended is read once, before the choices: a job that ends while
+                # they are written is written whole by the next round, never skipped
+                ended = [job.done for job in jobs]
                 items = []
                 for c in choices:
-                    if c.closed:
-                        continue
-                    if c.job.done and c.job.result.error is not None:
+                    done = c.job.done
+                    if c.closed or (done and c.job.result.error is not None):
                         continue
                     old_text, old_tokens = len(c.shown), c.tokens_sent
-                    if c.job.done:
+                    if done:
                         c.settle(text, stops)
                         delta = c.text[old_text:]
                     else:
                         c.advance(text, stops)
                         delta = c.shown[old_text:]
                     tokens = c.sample.tokens[old_tokens:c.tokens_sent]
-                    if not c.job.done and not delta and not (
+                    if not done and not delta and not (
                             tokens and (body.return_token_ids or c.wants_logprobs)):
                         continue
                     item: dict = {"index": c.index, "logprobs": c.logprobs(
                         decode, chat, old_tokens, c.tokens_sent),
-                        "finish_reason": c.reason if c.job.done else None}
+                        "finish_reason": c.reason if done else None}
                     if chat:
-                        item["delta"] = {"content": delta} if delta or not c.job.done else {}
+                        item["delta"] = {"content": delta} if delta or not done else {}
                     else:
                         item["text"] = delta
                     if body.return_token_ids:
                         item["token_ids"] = list(tokens)
-                    c.closed = c.job.done
+                    c.closed = done
                     items.append(item)
                 if items:
                     yield event(items)
-                failed = next((job.result.error for job in jobs
-                               if job.done and job.result.error is not None), None)
+                failed = next((job.result.error for job, e in zip(jobs, ended)
+                               if e and job.result.error is not None), None)
                 if failed is not None:
-                    kind_ = "server_error"
                     if failed == CANCELLED:
                         failed = "the request was cancelled: the server is shutting down"
-                    yield f"data: {json.dumps(error(failed, kind_))}\n\n"
+                    yield f"data: {json.dumps(error(failed, 'server_error'))}\n\n"
                     break
-                if all(job.done for job in jobs):
+                if all(ended):
                     if usage:
                         yield event([], usage_of(jobs))
                     break
@@ -420,7 +421,12 @@ class Choice:
                  "top_logprobs": [{"token": word(i), "logprob": lp,
                                    "bytes": list(word(i).encode("utf-8", "replace"))}
                                   for i, lp in x.top]} for x in lps]}
-        return {"tokens": [word(x.token) for x in lps],
-                "token_logprobs": [x.logprob for x in lps],
+        words = [word(x.token) for x in lps]
+        at = sum(len(word(x.token)) for x in self.sample.logprobs[:start])
+        offsets = []
+        for w in words:  # where each token's text starts in the choice's text
+            offsets.append(at)
+            at += len(w)
+        return {"tokens": words, "token_logprobs": [x.logprob for x in lps],
                 "top_logprobs": [{word(i): lp for i, lp in x.top} for x in lps],
-                "text_offset": []}
+                "text_offset": offsets}
