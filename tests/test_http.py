@@ -290,6 +290,21 @@ def test_an_aborted_stream_is_cancelled_and_its_pages_freed(server):
     assert n and n[0] >= 1
 
 
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it(server):
+    assert wait_for(lambda: metrics(server)["cacheidx_pages_in_use"] == 0)
+    before = metrics(server)
+    body = {"model": NAME, "messages": chat("an answer nobody waits for"), "temperature": 0,
+            "max_tokens": 1000}  # some seconds: the client leaves after 0.3
+    with within(30):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.3)
+        assert wait_for(lambda: metrics(server)["cacheidx_samples_in_flight"] == 0)
+    after = metrics(server)
+    assert after["cacheidx_pages_in_use"] == 0
+    assert after["cacheidx_generated_tokens_total"] - before["cacheidx_generated_tokens_total"] \
+        < 1000
+
+
 # -- bad requests -----------------------------------------------------------------------------
 BAD = [
     # (what, body, status, param)
