@@ -18,9 +18,12 @@ is then each request's ``max_tokens`` where it says none, and the pool is ``--pa
 
 Each line of REQUESTS.jsonl (``-`` reads stdin) is ``{"id": ..., "messages": [{"role": ...,
 "content": ...}, ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, optionally with
-``"arrival"`` (seconds from the start, at most a day), ``"max_new_tokens"`` and ``"n"``
-(parallel samples of the prompt, computed once: ``Request(..., n=N)``); the engine applies the
-model's chat template to the messages. Answers go to stdout (with ``--json``, one object:
+``"arrival"`` (seconds from the start, at most a day), ``"max_new_tokens"``, ``"n"``
+(parallel samples of the prompt, computed once: ``Request(..., n=N)``, at most 128) and the
+sampling's fields (``"temperature"``, ``"top_k"``, ``"top_p"``, ``"min_p"``,
+``"presence_penalty"``, ``"frequency_penalty"``, ``"seed"``, ``"logprobs"``, ``"stop"``:
+strings; :class:`cacheidx.serve.sampling.Sampling`); the engine applies the model's chat
+template to the messages. Answers go to stdout (with ``--json``, one object:
 ``"requests"``, each with its ``id``, ``line``, ``prompt_ids`` and generated ``tokens``, and
 ``"figures"``; a request of ``"n"`` > 1 has ``"n"``, ``n`` lists of ``tokens`` and ``n``
 texts; printed, one line per sample, ``[id sample k]``); progress and a summary go to
@@ -284,7 +287,8 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
         engine = Engine(what.model, backend=args.backend, device=args.device, compile=compile,
                         pages=pools, page_size=args.page_size, lanes=args.lanes,
                         chunk=args.chunk, cache=not args.no_cache,
-                        shapes="fixed" if compile else None, context=context, kv=args.kv)
+                        shapes="fixed" if compile else None, context=context, kv=args.kv,
+                        detokenize=what.decode)
     except ValueError as e:  # an unknown device (say what exists), a pool below one window
         say(str(e))
         return 2
@@ -332,6 +336,8 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
                                                               if t not in what.stop])
 
     def texts(r: Result) -> str | list[str | None] | None:  # a request of n samples: n texts
+        if r.text is not None:  # the engine's: cut before a stop string
+            return r.text
         return text_of(r.tokens) if r.n == 1 else [text_of(t) for t in r.samples]
 
     if args.json:
@@ -345,8 +351,9 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
             if r.error is not None:
                 print(_printable(f"[{r.id}] error: {r.error}"))
                 continue
+            shown = texts(r)
             for k, tokens in enumerate(r.samples):
-                text = text_of(tokens)
+                text = shown if r.n == 1 else shown[k] if shown is not None else None
                 if text is None:
                     text = " ".join(str(t) for t in tokens if t not in what.stop)
                 name = f"{r.id} sample {k}" if r.n > 1 else f"{r.id}"

@@ -19,6 +19,8 @@ __all__ = ["MOST_SAMPLES", "Line", "Request", "Result", "read_requests"]
 
 
 _LARGEST = (1 << 63) - 1  # token ids are int64 on their way to the model
+#: the fields of a request line that are its sampling's (:func:`read_requests`)
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 #: the most samples a request may ask for (``n``): OpenAI's API caps it at 128 too
 MOST_SAMPLES = 128
 
@@ -215,9 +217,12 @@ def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[in
                   ) -> list[Line]:
     """Requests from JSON lines ``{"id": ..., "messages": [{"role": ..., "content": ...},
     ...]}`` or ``{"id": ..., "prompt_ids": [...]}``, with an optional ``"arrival"`` (seconds,
-    at most ``latest`` where given), ``"max_new_tokens"`` and ``"n"`` (parallel samples,
-    :class:`Request`); ``template`` turns the messages into prompt ids (the model's chat
-    template). Blank lines are skipped, and a UTF-8 byte order mark before the first line.
+    at most ``latest`` where given), ``"max_new_tokens"``, ``"n"`` (parallel samples,
+    :class:`Request`) and :class:`~cacheidx.serve.sampling.Sampling`'s fields by its names
+    (``"temperature"``, ``"top_k"``, ``"top_p"``, ``"min_p"``, ``"presence_penalty"``,
+    ``"frequency_penalty"``, ``"seed"``, ``"logprobs"``, ``"stop"``: strings); ``template``
+    turns the messages into prompt ids (the model's chat template). Blank lines are skipped,
+    and a UTF-8 byte order mark before the first line.
 
     Each other line gives a :class:`Line`: its request, or why it is none (not JSON, not an
     object, a field of the wrong type or out of range, a message that is no Unicode text, a
@@ -241,8 +246,9 @@ def read_requests(lines: Iterable[str], template: Callable[[list[dict]], list[in
         rid = item.get("id", n)
         try:
             prompt = _prompt(item, template)
+            asks = {k: item[k] for k in SAMPLING_FIELDS if k in item}
             fields = checked(prompt, item.get("max_new_tokens", max_new_tokens),
-                             item.get("arrival", 0.0), stop, item.get("n", 1))
+                             item.get("arrival", 0.0), stop, item.get("n", 1), asks or None)
             if latest is not None and fields["arrival"] > latest:
                 raise ValueError(f"arrival must be at most {latest:g} seconds, got "
                                  f"{fields['arrival']:g}")
