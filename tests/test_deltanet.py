@@ -279,3 +279,78 @@ def test_pools_of_a_hybrid_decoder():
     a, b = llama.random_params(plain, seed=0), llama.random_params(
         llama.Config.tiny(layer_types=("attention", "attention")), seed=0)
     assert all(np.array_equal(a["layers"][1][k], b["layers"][1][k]) for k in a["layers"][1])
+
+
+# -- served by the engine ------------------------------------------------------------------------
+def served_prompts():
+    """A 9-token prompt, a 5-token one, and one sharing the first's first 8 (two pages, two
+    blocks of 4) then 3 of its own."""
+    a = [5, 9, 2, 33, 7, 1, 60, 12, 40]
+    return [a, [11, 3, 8, 20, 4], a[:8] + [8, 3, 50]]
+
+
+@pytest.fixture(scope="module")
+def own_greedy():
+    """The hybrid decoder's weights and its own greedy tokens of each prompt, fed whole."""
+    p = llama.random_params(HYBRID, seed=1)
+    return p, [greedy_whole(p, q, 5)[0] for q in served_prompts()]
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+@pytest.mark.parametrize("mode", ["cache", "no-cache", "eviction"])
+def test_the_engine_serves_the_hybrid_decoder_with_its_own_greedy_tokens(xp, mode, own_greedy):
+    """``serve.Engine`` over the DeltaNet hybrid (``LlamaModel``; pages of 4, a snapshot every
+    4 positions, chunks of 3 that cross block ends, one lane so each request follows the
+    last): each request gets the tokens the decoder gives fed whole, with the prefix cache on
+    (the third resumes from the first's snapshot of block 1: 8 tokens), off, and under
+    eviction (the prompts twice over 6 snapshot slots and 8 pages)."""
+    import warnings
+
+    from cacheidx.serve import Engine, Request
+
+    if xp != "numpy":
+        pytest.importorskip(xp)
+    p, want = own_greedy
+    prompts = served_prompts() * (2 if mode == "eviction" else 1)
+    options = {"snapshots": 6, "pages": 8} if mode == "eviction" else {"pages": 32}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the engine's notes
+        engine = Engine(LlamaModel(HYBRID, p), backend=xp, page_size=4, state_every=4, lanes=1,
+                        chunk=3, cache=mode != "no-cache", clock="steps", debug=True, **options)
+        results = engine.run([Request(k, q, 5) for k, q in enumerate(prompts)])
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.tokens for r in results] == want * (len(prompts) // 3)
+    engine.cache.check()
+    f = engine.figures()
+    if mode == "cache":
+        assert [r.cached_tokens for r in results] == [0, 0, 8]
+    elif mode == "no-cache":
+        assert f["cached_tokens"] == 0
+    else:
+        assert f["snapshots"]["evictions"] > 0 and f["evictions"] > 0
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_pools_that_are_not_the_layers_state_raise_naming_the_kind():
+    """Pools of another row shape than the layer's conv or recurrent state, a pools argument
+    that is no pair of state.Pools, and inputs of another shape are refused by name, before
+    any arithmetic."""
+    p, ix = params(), ci.rows(8, [3, 2], every=[4])
+    h = np.zeros((ix.batch * ix.seq, SHAPE.dim), np.float32)
+    conv, rec = deltanet.state_shapes(SHAPE)
+    good = nan_pools(2, 4)
+    fn = "cacheidx.models.deltanet.mix"
+    for pools, words in (
+            ((state.zeros(2, 4, (conv[0], conv[1] + 1)), good[1]),
+             f"the conv running pool holds rows of [{conv[0]}, {conv[1] + 1}]; the layer's "
+             f"conv state is [{conv[0]}, {conv[1]}]"),
+            ((good[0], state.Pools(good[1].running, np.zeros((4, 4, 3, 4), np.float32))),
+             "the recurrent snapshots pool holds rows of [4, 3, 4]; the layer's recurrent "
+             "state is [4, 4, 3]")):
+        with pytest.raises(ValueError, match=f"^{fn}: ") as got:
+            deltanet.mix(p, SHAPE, h, ix, pools)
+        assert words in str(got.value)
+    with pytest.raises(TypeError, match=f"^{fn}: pools must be a pair of state.Pools"):
+        deltanet.mix(p, SHAPE, h, ix, good[:1])
+    with pytest.raises(ValueError, match=rf"^{fn}: h must have shape \[6, 16\] .*got \[5, 16\]"):
+        deltanet.mix(p, SHAPE, h[:5], ix, good)

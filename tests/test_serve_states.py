@@ -138,6 +138,38 @@ def test_bad_state_arguments_are_refused_by_name(bad, match):
         Engine(ToyHybrid(), pages=64, page_size=P, **{"state_every": M, **bad})
 
 
+def test_a_request_needing_more_snapshot_slots_than_the_pool_has_fails_alone():
+    """A snapshot pool of 6 slots holds the blocks of 8 and two junctions of a request of up
+    to 32 tokens: the 30- and 34-token prompts with 6 new tokens (35 and 39 positions, 5
+    blocks) fail when submitted, naming their need and the pool, and the others are served
+    with their tokens."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        engine = Engine(ToyHybrid(), pages=64, page_size=P, state_every=M, snapshots=6,
+                        clock="steps")
+        results = engine.run([Request(i, p, max_new_tokens=NEW) for i, p in enumerate(PROMPTS)])
+    assert results[0].error == ("request 0 (30 prompt tokens and up to 6 new ones): 35 tokens "
+                                "need 7 snapshot slots (one per block of 8 positions, and two "
+                                "junctions); the snapshot pool has 6")
+    assert results[3].error.startswith("request 3 (34 prompt tokens and up to 6 new ones): "
+                                       "39 tokens need 7 snapshot slots")
+    assert [r.error for r in results[1:3]] == [None] * 2
+    assert [r.tokens for r in results[1:3]] == [reference(ToyHybrid(), p, NEW)
+                                                for p in PROMPTS[1:3]]
+
+
+def test_the_default_snapshot_pool_holds_a_request_of_the_whole_pool():
+    """By default the snapshot pool holds every block of the pages and two junctions more
+    than one a lane: a request of all 16 pages (64 tokens) is served."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        engine = Engine(ToyHybrid(), pages=16, page_size=P, state_every=M, lanes=2,
+                        clock="steps")
+        (result,) = engine.run([Request(0, list(range(1, 60)), max_new_tokens=6)])
+    assert result.error is None and len(result.tokens) == 6
+    assert engine.figures()["snapshots"]["slots"] == 16 * P // M + 2 + 2
+
+
 def test_state_arguments_for_a_model_without_recurrent_layers_are_refused():
     model = ToyHybrid()
     model.recurrent_layers = ()

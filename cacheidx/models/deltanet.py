@@ -151,7 +151,12 @@ def mix(p: dict, shape: Shape, h: Any, index: Any, pools: tuple, *, mm: Any = No
     ``index``, and its pools ``(conv, recurrent)`` after the call (laws 1 and 2). ``mm`` is
     the linear layers' product (``a @ b`` by default); with ``donate`` the pools are given up.
     On a library that compiles each eager operation apart (JAX) the layer is one program a
-    shape, as the index's own calls are."""
+    shape, as the index's own calls are.
+
+    Raises ``TypeError`` for ``pools`` that are no pair of :class:`cacheidx.state.Pools`, and
+    ``ValueError`` naming the kind for a pool whose rows are not the layer's state
+    (:func:`state_shapes`) or an ``h`` of another shape than ``[batch * seq, dim]``."""
+    _check("models.deltanet.mix", shape, h, index, pools)
     be = index.backend
     mm = mm or _at
     run = be.one_program(_mix, static_argnums=(1, 5, 6),
@@ -159,6 +164,23 @@ def mix(p: dict, shape: Shape, h: Any, index: Any, pools: tuple, *, mm: Any = No
     if run is _mix or be.tracing(h) or be.tracing(index.pos):
         return _mix(p, shape, h, index, pools, mm, donate)
     return run(p, shape, h, index, pools, mm, donate)
+
+
+def _check(fn: str, shape: Shape, h: Any, index: Any, pools: Any) -> None:
+    if not (isinstance(pools, tuple) and len(pools) == 2
+            and all(isinstance(q, tuple) and len(q) == 2 for q in pools)):
+        raise TypeError(f"cacheidx.{fn}: pools must be a pair of state.Pools (conv, "
+                        f"recurrent), got {type(pools).__name__}")
+    for kind, q, want in zip(("conv", "recurrent"), pools, state_shapes(shape), strict=True):
+        for name, pool in zip(("running", "snapshots"), q, strict=True):
+            got = tuple(getattr(pool, "shape", ()))[1:]
+            if got != want:
+                raise ValueError(f"cacheidx.{fn}: the {kind} {name} pool holds rows of "
+                                 f"{list(got)}; the layer's {kind} state is {list(want)}")
+    want = (index.batch * index.seq, shape.dim)
+    if tuple(h.shape) != want:
+        raise ValueError(f"cacheidx.{fn}: h must have shape {list(want)} (batch * seq, dim), "
+                         f"got {list(h.shape)}")
 
 
 def _mix(p, shape, h, index, pools, mm, donate):

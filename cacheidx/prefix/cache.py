@@ -211,6 +211,15 @@ class PrefixCache:
         """Group ``g``'s pool now."""
         return self._pools[g].now(self.windows[g])
 
+    def too_large(self, total: int) -> str | None:
+        """Why a request holding ``total`` tokens can never be admitted (a group's pool holds
+        fewer pages, or snapshot slots, than it holds at once), or ``None``."""
+        for m in self._groups:
+            why = m.too_large(total)
+            if why is not None:
+                return why
+        return None
+
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` tokens."""
         return -(-int(tokens) // self._size)
@@ -268,10 +277,9 @@ class PrefixCache:
                                                       total, least=n)
         if call is not None:
             call = arguments.integer("prefix.PrefixCache.admit", "call", call, least=1)
-        for m in self._groups:
-            why = m.too_large(total)
-            if why is not None:
-                raise PageError(f"{WHERE}.admit: {why}")
+        why = self.too_large(total)
+        if why is not None:
+            raise PageError(f"{WHERE}.admit: {why}")
         nodes = self._hit(data, (n - 1) // self._size) if reuse else []
         d = len(nodes)
         longest = max(1, min(n if call is None else call, n - d * self._size))

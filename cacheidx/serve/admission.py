@@ -6,12 +6,13 @@ Laws, for a :class:`~cacheidx.prefix.PrefixCache` of pages of ``P`` tokens:
 1. A request is refused when it is submitted, never queued, where it asks for more samples
    than :attr:`Admission.most_samples` (``MOST_SAMPLES``, 128: OpenAI's cap), holds a token id at or
    past the model's ``vocab``, needs more pages (its prompt and ``max_new_tokens - 1`` more
-   positions) than the full group's pool has, or more tokens than the engine's ``context``
-   or the model's ``longest``: the first of these that holds is its reason. A request of
-   ``n`` > 1 samples is refused too where the full group's pool cannot hold as many of its
-   samples as run at once (``min(n, lanes)``), the prompt's whole pages (at most
-   ``(len(prompt) - 1) // P``) counted once with the cache on (the scheduler's law 6), once
-   per sample without.
+   positions) than the full group's pool has, more snapshot slots than the snapshot pool
+   has (a hybrid's: its blocks of ``m`` and two junctions), or more tokens than the
+   engine's ``context`` or the model's ``longest``: the first of these that holds is its
+   reason. A request of ``n`` > 1 samples is refused too where the full group's pool
+   cannot hold as many of its samples as run at once (``min(n, lanes)``), the prompt's
+   whole pages (at most ``(len(prompt) - 1) // P``) counted once with the cache on (the
+   scheduler's law 6), once per sample without.
 2. The queue is in submission order, each waiting request under its number in the queue (a
    count), never under the identity of an object: taking one out takes exactly that one. A
    request of ``n`` samples is one entry, whatever ``n``, its
@@ -83,6 +84,10 @@ class Admission:
             pool = "pool of the full layers" if self._several else "pool"
             return (f"request {request.id!r} needs {need} pages of {self.P} tokens {what}; the "
                     f"{pool} has {self.cache.group(self._full).capacity}")
+        if self.cache.every is not None:  # the snapshot slots it holds (prefix law 11, 14)
+            why = self.cache.too_large(total)
+            if why is not None:
+                return f"request {request.id!r} {what}: {why}"
         if self.context is not None and total > self.context:
             return (f"request {request.id!r} holds {total} tokens {what}; the engine's context "
                     f"is {self.context}")

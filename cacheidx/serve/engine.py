@@ -121,8 +121,9 @@ class Engine:
     pages: ``state_every`` is ``m``, the positions between two snapshots (by default
     :func:`state_every` of the model's ``state_bytes()`` against its ``token_bytes``), and
     ``snapshots`` the snapshot pool's slots (by default one per block of the full group's
-    pages, and one per lane). An ``executor`` that computes recurrent layers is told
-    ``state_every``, and its ``run`` is given the table of blocks (``blocks=``).
+    pages, one per lane, and a request's two junctions). An ``executor`` that computes
+    recurrent layers is told ``state_every``, and its ``run`` is given the table of blocks
+    (``blocks=``).
 
     ``detokenize`` (token ids to text, a tokenizer's ``decode``) lets requests stop on
     strings (``Sampling(stop=...)``) and gives each result its ``text`` (the scheduler's law
@@ -224,7 +225,9 @@ class Engine:
         m = None if self.states is None else self.states[0]
         if m is not None and self.scheduler.reuse and 0 < len(request.prompt) <= m:
             self._note(f"a prompt of at most {m} tokens (the snapshots' block) closes no block "
-                       "before its last token, so it is never resumed from the cache")
+                       "before its last token: it resumes from the cache only at a junction "
+                       "an earlier request kept at a whole page (while the snapshot pool "
+                       "holds it), never at a block's end")
         if self.scheduler.refusal(request) is not None:
             self._refused.append(self.scheduler.submit(request, 0.0, ticket))
         else:
@@ -452,8 +455,10 @@ def _states(model: Any, kv: str | None, page_size: int, pages: int, lanes: int,
     if every % unit:
         raise ValueError(f"cacheidx.{_WHERE}: state_every must be a multiple of the page size "
                          f"({page_size}) and of the model's state_chunk ({chunk}), got {every}")
-    if slots is None:  # every block of a full pool of pages, and a block begun per lane
-        slots = -(-pages * page_size // every) + lanes
+    if slots is None:  # every block of a full pool of pages, a block begun per lane, and
+        # the two junctions a request holds (the prefix cache's law 14): a request of the
+        # whole pool fits
+        slots = -(-pages * page_size // every) + lanes + 2
     slots = arguments.integer(_WHERE, "snapshots", slots, least=1)
     return every, slots
 

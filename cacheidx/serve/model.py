@@ -77,9 +77,10 @@ class LlamaModel:
         return len(self.recurrent_layers) * deltanet.state_bytes(self.config.linear)
 
     def token_bytes(self, kv: str | None = None) -> int:
-        """The bytes one token takes in every layer's pools, float32 or ``kv``'s."""
+        """The bytes one token takes in every attention layer's pools, float32 or ``kv``'s
+        (a recurrent layer keeps none)."""
         c = self.config
-        return c.layers * token_bytes(c.kv_heads, c.head_dim, kv)
+        return (c.layers - len(self.recurrent_layers)) * token_bytes(c.kv_heads, c.head_dim, kv)
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, Any]:
         logits, pools = llama.forward(weights, self.config, tokens, index, pools, donate=True,
