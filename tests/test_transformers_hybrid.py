@@ -218,25 +218,34 @@ def test_the_engine_gives_transformers_greedy_tokens(name, cache, reference):
     assert f["snapshots"]["every"] == M
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "mamba", "lfm2"])
+#: the families the engine's eviction, ``generate`` and the serve command are run on: one of
+#: each kind of recurrent layer (Gated DeltaNet, short convolution, Mamba 2, Mamba) and the
+#: families beside them, pure state-space ones among them
+SOME = ["qwen3_5", "lfm2", "bamba", "granitemoehybrid", "nemotron_h", "mamba", "mamba2"]
+
+
+@pytest.mark.parametrize("name", SOME)
 def test_the_engine_under_eviction_of_snapshots_gives_the_same_tokens(name, reference):
     """The prompts three times over a pool of 8 snapshots and 10 pages: snapshots and pages
     are evicted, and every request still gets transformers' tokens."""
     wrapped, want = reference(name)
     results, f = engine_run(wrapped, PROMPTS, repeat=3, snapshots=8, pages=10)
     assert [r.tokens for r in results] == want * 3
-    assert f["snapshots"]["evictions"] > 0
+    assert f["snapshots"]["evictions"] > 0 and f["evictions"] > 0
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
-@pytest.mark.parametrize("name", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("name", SOME)
 def test_generate_gives_transformers_greedy_tokens(name, reference):
     """``cit.generate`` (the engine's default snapshot block and pools) with the prefix cache
-    on and off."""
+    on and off, and under eviction (pools of 5 pages, fewer than the prompts' 14, and 8
+    snapshots, the prompts twice, one lane)."""
     wrapped, want = reference(name)
     for cache in (True, False):
         assert cit.generate(wrapped.hf, PROMPTS, max_new_tokens=NEW, page_size=PAGE,
-                            cache=cache, lanes=2) == want
+                            cache=cache, lanes=2) == want, f"cache {cache}"
+    assert cit.generate(wrapped.hf, PROMPTS * 2, max_new_tokens=NEW, page_size=PAGE, pages=5,
+                        snapshots=8, lanes=1) == want * 2, "under eviction"
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
@@ -374,21 +383,76 @@ def test_bad_lanes_and_slots_are_refused(reference):
 
 
 # -- the serve command ----------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
-@pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
-def test_the_serve_command_serves_a_saved_hybrid(name, reference, tmp_path, capsys):
-    """``python -m cacheidx.serve --model FOLDER`` of a folder ``save_pretrained`` wrote: the
-    command's tokens are transformers' greedy ones."""
+@pytest.fixture(scope="module")
+def saved(reference, tmp_path_factory):
+    """``saved(name) -> folder``: the family's tiny model as ``save_pretrained`` writes it."""
+    root, made = tmp_path_factory.mktemp("hybrids"), {}
+
+    def folder(name):
+        if name not in made:
+            reference(name)[0].hf.save_pretrained(root / name)
+            made[name] = root / name
+        return made[name]
+
+    return folder
+
+
+def serve_command(folder, prompts, capsys, tmp_path, *options):
+    """``python -m cacheidx.serve REQUESTS --model FOLDER --json`` (pages of 4, one lane, so
+    each request is admitted once the one before it has finished): the printed requests and
+    figures."""
     import json
 
     from cacheidx.serve.__main__ import main
 
-    wrapped, want = reference(name)
-    wrapped.hf.save_pretrained(tmp_path / name)
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(json.dumps({"id": k, "prompt_ids": p})
-                                  for k, p in enumerate(PROMPTS)) + "\n")
-    assert main([str(requests), "--model", str(tmp_path / name), "--json", "--page-size", "4",
-                 "--max-new-tokens", str(NEW)]) == 0
+                                  for k, p in enumerate(prompts)) + "\n")
+    assert main([str(requests), "--model", str(folder), "--json", "--page-size", str(PAGE),
+                 "--max-new-tokens", str(NEW), "--lanes", "1", *options]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["tokens"] for r in out["requests"]] == want
+    return out["requests"], out["figures"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
+@pytest.mark.parametrize("mode", ["cache", "no-cache", "eviction"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "bamba", "granitemoehybrid", "nemotron_h",
+                                  "qwen3_next"])
+def test_the_serve_command_gives_transformers_greedy_tokens(name, mode, reference, saved,
+                                                            tmp_path, capsys):
+    """``python -m cacheidx.serve --model FOLDER`` of a folder ``save_pretrained`` wrote (the
+    engine's own snapshot block and pools): the command's tokens are transformers' greedy
+    ones with the prefix cache on (the third prompt resumes at the first's junction, its 8
+    shared tokens), off (``--no-cache``: nothing read from the cache), and under eviction
+    (``--pages 5``: pages and snapshots evicted, the prompts twice)."""
+    wrapped, want = reference(name)
+    options, prompts = {"cache": ([], PROMPTS), "no-cache": (["--no-cache"], PROMPTS),
+                        "eviction": (["--pages", "5"], PROMPTS * 2)}[mode]
+    got, f = serve_command(saved(name), prompts, capsys, tmp_path, *options)
+    assert [r["tokens"] for r in got] == want * (len(prompts) // len(PROMPTS))
+    assert f["snapshots"]["every"] == wrapped_every(wrapped)
+    cached = [r["cached_tokens"] for r in got]
+    if mode == "cache":
+        assert cached == [0, 0, 8]
+    elif mode == "no-cache":
+        assert cached == [0] * 3 and f["cached_tokens"] == 0
+    else:
+        assert f["evictions"] > 0 and f["snapshots"]["evictions"] > 0
+
+
+def wrapped_every(wrapped):
+    """The engine's snapshot block for the model at pages of ``PAGE`` (its rule)."""
+    from cacheidx.serve.engine import state_every
+
+    return state_every(wrapped.state_bytes(), wrapped.token_bytes(), PAGE,
+                       getattr(wrapped, "state_chunk", 1) or 1)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the engine's notes
+def test_the_serve_command_serves_a_saved_state_space_model(reference, saved, tmp_path, capsys):
+    """A pure state-space model (Mamba: no attention layer, so ``m`` is 16 pages) served by the
+    command with the cache on and off: transformers' greedy tokens."""
+    _, want = reference("mamba")
+    for options in ([], ["--no-cache"]):
+        got, _ = serve_command(saved("mamba"), PROMPTS, capsys, tmp_path, *options)
+        assert [r["tokens"] for r in got] == want, options
