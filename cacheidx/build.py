@@ -96,8 +96,10 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
         c = -(-context // m)
         blocks.append((m, np.arange(batch * c).reshape(batch, c)))
     to = _converter(xp, device)
-    return CacheIndex(kind="tabled", pos=to(pos), table=to(table),
-                      blocks=tuple((m, to(b)) for m, b in blocks))
+    index = CacheIndex(kind="tabled", pos=to(pos), table=to(table),
+                       blocks=tuple((m, to(b)) for m, b in blocks))
+    # the host keeps the values it built (cacheidx.plan's host-first law)
+    return index.refilled([pos, table, *(b for _, b in blocks)])
 
 
 def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
@@ -122,7 +124,8 @@ def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
     for n in lens:
         if n > seq:
             raise arguments.fail("whole", f"a lane of {n} tokens does not fit seq={seq}")
-    return CacheIndex(kind="whole", pos=_converter(xp, device)(_left_padded(lens, seq)))
+    pos = _left_padded(lens, seq)
+    return CacheIndex(kind="whole", pos=_converter(xp, device)(pos)).refilled([pos])
 
 
 def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheIndex:
@@ -148,7 +151,7 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
         for n in lane:
             pos[b, start:start + n] = np.arange(n)
             start += n
-    return CacheIndex(kind="packed", pos=_converter(xp, device)(pos))
+    return CacheIndex(kind="packed", pos=_converter(xp, device)(pos)).refilled([pos])
 
 
 def _items(fn: str, name: str, items: Any) -> list:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from . import _arguments as arguments
 from . import backends
+from .devices import to_host
 from .laws import block_of, closes, inside, sees, stands
 from .plan import Plan
 from .quantized import Quantized, parts
@@ -77,6 +81,11 @@ class CacheIndex:
             object.__setattr__(self, "backend", backends.get(self.pos))
         if not self.backend.tracing(self.pos):
             object.__setattr__(self, "plan", Plan())
+        # the host values of the tensors by leaf name (:meth:`host`), and the host index last
+        # made of them; not fields, so ``dataclasses.replace`` never copies them (a derived
+        # index is handed what still holds: :meth:`_derived`)
+        object.__setattr__(self, "_known", {})
+        object.__setattr__(self, "_host", None)
 
     # -- what the index is ------------------------------------------------------------------
     @property
@@ -131,6 +140,13 @@ class CacheIndex:
         index = _unflatten((structure, backend), tensors)
         if plan is not None:
             object.__setattr__(index, "plan", plan)
+            values, names = plan.values, _leaf_names(structure)
+            if values is not None and len(values) == len(names):
+                # candidates only where they are compared (:meth:`host`): a plan handed out
+                # for other values is then made anew, never misread
+                on_host = index.backend.on_host
+                index._known.update((name, v) for name, v, t in zip(
+                    names, values, index.tensors(), strict=True) if on_host(t))
         return index
 
     def map(self, fn: Any) -> CacheIndex:
@@ -139,12 +155,86 @@ class CacheIndex:
         return CacheIndex.rebuild(self.structure, [fn(t) for t in self.tensors()])
 
     def __getstate__(self) -> dict:
-        # the plan belongs to this process's arrays: never pickled
-        return {k: v for k, v in self.__dict__.items() if k != "plan"}
+        # the plan and the host values belong to this process's arrays: never pickled
+        return {k: v for k, v in self.__dict__.items() if k not in ("plan", "_known", "_host")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__["plan"] = None if self.backend.tracing(self.pos) else Plan()
+        self.__dict__["_known"], self.__dict__["_host"] = {}, None
+
+    # -- the host's values --------------------------------------------------------------------
+    def host(self) -> CacheIndex:
+        """This index over NumPy arrays of the values its tensors hold, as the host knows
+        them: the values it was built from (a constructor's, :meth:`advance`'s next
+        positions, a writer's declaration: :meth:`refilled`), never read back from a device.
+        A tensor in host memory (NumPy's, a CPU tensor: ``Backend.on_host``) is compared with
+        them, which costs no copy, and copied again where it holds other values now (written
+        in place behind the library's back); a device tensor the host was never told the
+        values of (an array handed to :func:`~cacheidx.make` or :meth:`select`) is read once,
+        the first time they are asked for. Integers are int64 on the host. The plan
+        (:mod:`cacheidx.plan`) is made from these values, and so are the runs a call reads.
+
+        Raises on a traced index, which has no values."""
+        backend = self.backend
+        if backend.tracing(self.pos):
+            raise arguments.fail("host", "a traced index has no values on the host")
+        names, tensors = _leaf_names(self.structure), self.tensors()
+        with _HOST:
+            known, changed = self._known, self._host is None
+            for name, t in zip(names, tensors, strict=True):
+                have = known.get(name)
+                if backend.on_host(t):
+                    now = _kept(to_host(t))
+                    if have is None or not _same(have, now):
+                        known[name] = np.array(now, copy=True)
+                        changed = True
+                elif have is None:  # never told: read back once
+                    known[name] = np.array(_kept(to_host(t)), copy=True)
+                    changed = True
+            if changed:
+                host = CacheIndex.rebuild(self.structure, [known[n] for n in names],
+                                          backend=backends.get("numpy"))
+                object.__setattr__(self, "_host", host)
+            return self._host
+
+    def refilled(self, values: Sequence[Any]) -> CacheIndex:
+        """Declares that the index's tensors hold ``values`` now (NumPy, one for each of
+        :meth:`tensors`, in its order): the writer's word, where it wrote them in place (a
+        CUDA graph's buffers refilled, the engine's copies) or made them from these values.
+        The plan follows (its parts are made anew where the values differ from those they
+        were made from), and nothing is read back from the device. The index keeps
+        ``values``: the caller writes no more into them. Returns the index.
+
+        Raises if ``values`` does not hold one array of each tensor's shape."""
+        names, tensors = _leaf_names(self.structure), self.tensors()
+        values = list(values)
+        if len(values) != len(tensors):
+            raise arguments.fail("refilled", f"the index has {len(tensors)} tensors "
+                                 f"({', '.join(names)}), got {len(values)} values")
+        given = [_kept(np.asarray(v)) for v in values]
+        for i, (name, t, v) in enumerate(zip(names, tensors, given, strict=True)):
+            if tuple(v.shape) != tuple(t.shape):
+                raise arguments.fail("refilled", f"{name} has shape {list(t.shape)}, its "
+                                     f"values {list(v.shape)}")
+            if self.backend.on_host(t) and np.may_share_memory(v, to_host(t)):
+                given[i] = np.array(v, copy=True)  # compared with the tensor: not its memory
+        with _HOST:
+            self._known.update(zip(names, given, strict=True))
+            object.__setattr__(self, "_host", None)
+        return self
+
+    def _derived(self, **changes: Any) -> CacheIndex:
+        """``dataclasses.replace(self, **changes)``, knowing this index's host values of the
+        tensors it keeps (the same arrays)."""
+        nxt = dataclasses.replace(self, **changes)
+        known = self._known
+        if known:
+            mine = dict(zip(_leaf_names(self.structure), self.tensors(), strict=True))
+            for name, t in zip(_leaf_names(nxt.structure), nxt.tensors(), strict=True):
+                if name in known and mine.get(name) is t:
+                    nxt._known[name] = known[name]
+        return nxt
 
     def __repr__(self) -> str:
         s = self.structure
@@ -170,7 +260,7 @@ class CacheIndex:
         w = arguments.integer("window", "w", w)
         if w < 1:
             raise arguments.fail("window", f"w must be positive, got {w}")
-        return dataclasses.replace(self, window_size=w)
+        return self._derived(window_size=w)
 
     def select(self, columns: Any) -> CacheIndex:
         """Token ``i`` of lane ``b`` reads only the columns ``columns[b, i]``, of shape
@@ -184,7 +274,7 @@ class CacheIndex:
             raise arguments.fail("select", "k is 0: columns has shape "
                              f"{list(columns.shape)}")
         arguments.array("select", "columns", columns, xp, (self.batch, self.seq, None))
-        return dataclasses.replace(self, columns=columns)
+        return self._derived(columns=columns)
 
     def draft(self, slots: Any, sees: Any) -> CacheIndex:
         """The call's tokens are a draft verified in one call: token ``i`` stores at
@@ -201,7 +291,7 @@ class CacheIndex:
             raise arguments.fail("draft", "the index selects columns")
         arguments.array("draft", "slots", slots, xp, (self.batch, self.seq))
         arguments.array("draft", "sees", sees, xp, (self.batch, self.seq, self.seq), kind="bool")
-        return dataclasses.replace(self, draft_slots=slots, draft_sees=sees)
+        return self._derived(draft_slots=slots, draft_sees=sees)
 
     def every(self, m: int) -> CacheIndex:
         """The index read in blocks of ``m`` positions: column ``j`` is block ``j``, positions
@@ -228,9 +318,10 @@ class CacheIndex:
         if self.kind == "tabled" and m not in dict(self.blocks):
             raise arguments.fail("every", f"the index has no table of blocks of {m} positions "
                              f"(it has {[b for b, _ in self.blocks]})")
-        return dataclasses.replace(self, block=m)
+        return self._derived(block=m)
 
-    def advance(self, table: Any = None, blocks: Any = None) -> CacheIndex:
+    def advance(self, table: Any = None, blocks: Any = None, *,
+                host: Sequence[Any] | None = None) -> CacheIndex:
         """The index of the next token of every lane: ``seq`` is 1 and the position is one
         past the lane's greatest (a lane of padding advances to 0). Keeps the window and the
         block size, drops the selection and the draft. The plan's parts follow where they can
@@ -248,6 +339,12 @@ class CacheIndex:
         in order, checked as ``table`` is; they take the old ones' place, and a plan's part
         that reads them is made anew.
 
+        The next positions are computed on the host too (:meth:`host`), and ``host`` (with
+        ``table``) gives the values ``table`` and ``blocks`` hold, ``[table, *blocks]`` in
+        NumPy, as their writer wrote them (:meth:`refilled`'s word): the plan is carried by
+        comparing those, so nothing is read back from a device. Without it, a new table on a
+        device is read back once.
+
         Raises on a whole or packed index; with ``table``, if it is not an array of the
         index's library and dtype, of 2 axes and as many rows as the index's table, on its
         device, or if the index reads tables of blocks and ``blocks`` does not give one for
@@ -258,17 +355,43 @@ class CacheIndex:
         if blocks is not None and table is None:
             raise arguments.fail("advance", "blocks come with the table they follow: give "
                                  "table= too")
+        if host is not None and table is None:
+            raise arguments.fail("advance", "host gives the values of a new table: give "
+                                 "table= too")
         if table is not None:
             self._check_next_table(table, blocks)
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
-        nxt = dataclasses.replace(self, pos=xp.clip(last, -1, None) + 1, columns=None,
-                                  draft_slots=None, draft_sees=None,
-                                  table=self.table if table is None else table,
-                                  blocks=self.blocks if blocks is None else tuple(
-                                      (m, b) for (m, _), b in zip(self.blocks, blocks)))
-        if not self.backend.tracing(self.pos):  # the parts that follow from this plan's
-            object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
+        nxt = self._derived(pos=xp.clip(last, -1, None) + 1, columns=None,
+                            draft_slots=None, draft_sees=None,
+                            table=self.table if table is None else table,
+                            blocks=self.blocks if blocks is None else tuple(
+                                (m, b) for (m, _), b in zip(self.blocks, blocks)))
+        if self.backend.tracing(self.pos):
+            return nxt
+        # the host's values of the next index: its positions worked out here, its tables
+        # the writer's
+        now = self.host()
+        nxt._known["tokens.pos"] = np.clip(np.max(now.pos, axis=1, keepdims=True), -1,
+                                           None) + 1
+        if host is not None:
+            named = ["tokens.table"]
+            if blocks is not None:
+                named += [f"tokens.blocks.{i}" for i in range(len(nxt.blocks))]
+            given = list(host)
+            if len(given) != len(named):
+                raise arguments.fail("advance", f"host must hold the values of table"
+                                     f"{' and of each of blocks' if blocks is not None else ''}"
+                                     f" ({len(named)} arrays), got {len(given)}")
+            arrays = [nxt.table, *(b for _, b in nxt.blocks)]
+            for name, t, v in zip(named, arrays, given):
+                v = _kept(np.asarray(v))
+                if tuple(v.shape) != tuple(t.shape):
+                    raise arguments.fail("advance", f"host's values of {name[7:]} have shape "
+                                         f"{list(v.shape)}, the array {list(t.shape)}")
+                nxt._known[name] = v
+        # the parts that follow from this plan's
+        object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
         return nxt
 
     def _check_next_table(self, table: Any, blocks: Any = None) -> None:
@@ -300,8 +423,10 @@ class CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
         move = self.backend.to_device
-        return CacheIndex.rebuild(self.structure, [move(x, device) for x in self.tensors()],
-                                  backend=self.backend)
+        moved = CacheIndex.rebuild(self.structure, [move(x, device) for x in self.tensors()],
+                                   backend=self.backend)
+        moved._known.update(self._known)  # the same values, elsewhere
+        return moved
 
     # -- the call's tokens ------------------------------------------------------------------
     def positions(self) -> Any:
@@ -539,11 +664,12 @@ class CacheIndex:
         return run(self, *args)
 
     def follow(self) -> Plan:
-        """:attr:`plan`, its parts dropped first where the index's tensors no longer hold the
-        values they were made from (:meth:`Plan.follow <cacheidx.plan.Plan.follow>`). Every
-        eager call asks it once, before any layer reads a part; traced, it does nothing."""
+        """:attr:`plan`, its parts dropped first where the index's host values (:meth:`host`)
+        are no longer those they were made from (:meth:`Plan.follow
+        <cacheidx.plan.Plan.follow>`). Every eager call asks it once, before any layer reads a
+        part; traced, it does nothing."""
         if not self.backend.tracing(self.pos):
-            self.plan.follow(self.tensors())
+            self.plan.follow(self.host().tensors())
         return self.plan
 
     def planned(self, kind: str, key: tuple, make: Any) -> Any:
@@ -689,6 +815,21 @@ class CacheIndex:
     def _last_of(self, cols: Any) -> Any:
         """Each lane's greatest position, shaped to broadcast against ``cols``."""
         return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
+
+
+#: one lock for every index's host values (each section under it a few comparisons)
+_HOST = threading.Lock()
+
+
+def _kept(a: np.ndarray) -> np.ndarray:
+    """A host array of index values as the host keeps them: integers as int64."""
+    if a.dtype.kind in "iu" and a.dtype != np.int64:
+        return a.astype(np.int64)
+    return a
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b))
 
 
 def _arrays(value: Any) -> list[Any]:

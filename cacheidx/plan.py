@@ -10,10 +10,24 @@ from, what each tile of a table reads and the runs of slots a lane's views read.
 Law: a plan is a function of the index's structure and of the values its tensors hold, never
 of their identity or version counters. A part is made the first time a layer asks for it and
 kept for the next; every call first asks :meth:`Plan.follow`, which drops every part when the
-tensors no longer hold the values the parts were made from (a table refilled in place, the
+index's values are no longer those the parts were made from (a table refilled in place, the
 CUDA-graph idiom, or written behind the library's back through NumPy): a plan never outlives
 its values. Traced, there is no plan: a compiled step derives its parts inside the program,
 where the compiler shares them between layers.
+
+Law (host first): **an eager decode step on a device backend copies nothing from the device
+to the host except the sampled tokens.** The values a plan is made from are the host's own
+(:meth:`CacheIndex.host <cacheidx.CacheIndex.host>`): the NumPy arrays the index was built
+from, the next positions :meth:`~cacheidx.CacheIndex.advance` works out on the host, or those
+a writer declares (:meth:`~cacheidx.CacheIndex.refilled`, ``advance(table=, host=)``: the
+serving engine declares every table it writes), never a device tensor read back. Only a tensor
+in host memory (``Backend.on_host``: NumPy's, a CPU tensor) is compared with them, which costs
+no copy. Attention keeps the rest of the law: its runs and tiles are found on the host index,
+and a tile's product on a device is weighed with its non-finite values selected out, never
+asked whether it is finite (:class:`~cacheidx.attention.softmax.Online`).
+tests/test_device_reads.py counts every read of an engine's decode steps on torch and JAX.
+(FlashInfer's ``plan()`` copies its page table's ``indptr`` to the host once per batch for the
+same reason; here the host keeps the values it wrote.)
 
 :meth:`CacheIndex.advance <cacheidx.CacheIndex.advance>` carries its index's plan to the next
 token's index where the next plan follows from the last (:meth:`Plan.advanced`), over the same
@@ -46,26 +60,32 @@ class Plan:
 
     def __init__(self) -> None:
         # plain attributes only: a compiler rebuilding an index inside a trace makes one too
-        #: host copies of the index's tensors the parts were made from; None before any
+        #: the index's host values (:meth:`CacheIndex.host
+        #: <cacheidx.CacheIndex.host>`) the parts were made from; None before any
         self._values: tuple[np.ndarray, ...] | None = None
         self._parts: dict[tuple, Any] = {}
         #: parts made so far (by every ``make`` called): what a test or benchmark counts
         self.made = 0
 
     # -- the values the parts were made from -------------------------------------------------
-    def fits(self, tensors: Sequence[Any]) -> bool:
-        """Whether the parts were made from the values ``tensors`` (an index's, in its walk
-        order) hold now."""
-        values = self._values
-        return values is not None and _equal(values, [to_host(t) for t in tensors])
+    @property
+    def values(self) -> tuple[np.ndarray, ...] | None:
+        """The host values the parts were made from (``None`` before any): never written to."""
+        return self._values
 
-    def follow(self, tensors: Sequence[Any]) -> Plan:
-        """This plan, its parts dropped first where ``tensors`` no longer hold the values they
-        were made from. Called once per call, before any part is read."""
-        now = [to_host(t) for t in tensors]
+    def fits(self, values: Sequence[np.ndarray]) -> bool:
+        """Whether the parts were made from ``values`` (an index's host values, in its walk
+        order: ``index.host().tensors()``)."""
+        kept = self._values
+        return kept is not None and _equal(kept, values)
+
+    def follow(self, values: Sequence[np.ndarray]) -> Plan:
+        """This plan, its parts dropped first where ``values`` (an index's host values, which
+        it keeps and never writes to) are not those they were made from. Called once per call,
+        before any part is read."""
         with _LOCK:
-            if self._values is None or not _equal(self._values, now):
-                self._values = tuple(np.array(v, copy=True) for v in now)
+            if self._values is None or not _equal(self._values, values):
+                self._values = tuple(values)
                 self._parts = {}
         return self
 
@@ -105,7 +125,7 @@ class Plan:
         plan = Plan()
         with _LOCK:
             parts = {k: p for k, p in self._parts.items() if k[0] in CARRY}
-        if not parts or not self.fits(index.tensors()):  # nothing to carry: no comparison
+        if not parts or not self.fits(index.host().tensors()):  # nothing to carry
             return plan
         if nxt.table is not index.table and not keeps_columns(index, nxt):
             return plan
@@ -115,7 +135,7 @@ class Plan:
             if got is not None:
                 plan._parts[(kind, *key)] = got
         if plan._parts:
-            plan._values = tuple(np.array(to_host(t), copy=True) for t in nxt.tensors())
+            plan._values = tuple(nxt.host().tensors())
         return plan
 
     def __repr__(self) -> str:
@@ -130,7 +150,8 @@ _LOCK = threading.Lock()
 class Recent:
     """The last few plans made for indices rebuilt from their tensors (a compiled step's
     operator gets tensors, never the index): one is handed out again only where it
-    :meth:`~Plan.fits` the tensors' values, so every layer of a step shares one."""
+    :meth:`~Plan.fits` the tensors' values, so every layer of a step shares one. The tensors
+    lie in host memory (torch's operator runs on the CPU alone), read with no copy."""
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
@@ -141,8 +162,9 @@ class Recent:
         call's own :meth:`~Plan.follow` takes its values)."""
         with _LOCK:
             found = [p for s, p in self._plans if s == structure]
+        values = [_int64(to_host(t)) for t in tensors] if found else []
         for p in found:
-            if p.fits(tensors):
+            if p.fits(values):
                 return p
         p = Plan()
         with _LOCK:
@@ -153,18 +175,26 @@ class Recent:
 def keeps_columns(index: Any, nxt: Any) -> bool:
     """Whether ``nxt``'s table holds, on the row each lane of ``index`` reads (its row map's,
     row 0 for a lane of padding, as :attr:`~cacheidx.CacheIndex.lane_table` reads), the values
-    ``index``'s table holds at every one of its columns; compared on the host."""
-    old, new = to_host(index.table), to_host(nxt.table)
+    ``index``'s table holds at every one of its columns; compared on the host's values
+    (:meth:`~cacheidx.CacheIndex.host`)."""
+    index, nxt = index.host(), nxt.host()
+    old, new = index.table, nxt.table
     rows, width = old.shape
     if new.shape[0] != rows or new.shape[1] < width or new.dtype != old.dtype:
         return False
     if index.row is None:
         return bool(np.array_equal(new[:, :width], old))
-    row = to_host(index.row)
+    row = index.row
     lanes = np.unique(np.where((row >= 0) & (row < rows), row, 0))
     return bool(np.array_equal(new[lanes, :width], old[lanes]))
 
 
 def _equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(
-        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(x is y or (
+        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
+        for x, y in zip(a, b))
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    """Index values as an index's host keeps them (:meth:`~cacheidx.CacheIndex.host`)."""
+    return a.astype(np.int64) if a.dtype.kind in "iu" and a.dtype != np.int64 else a

@@ -108,7 +108,7 @@ def attend(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
     got = None if path is None else path.attend(call)
     if got is not None:
         return got
-    index.follow()  # the plan every layer reads, made anew where the tensors changed
+    index.follow()  # the plan every layer reads, made anew where the host's values changed
     call = stored(call)
     out = runs.read(call, SCORES)
     return (standard(call) if out is None else out), call.kpool, call.vpool
@@ -134,7 +134,8 @@ def standard(call: Call) -> Any:
     standard alone."""
     index, q = call.index, call.q
     state = Online.start(index.xp, q, call.keys_of, int(call.vpool.shape[-1]),
-                         int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap)
+                         int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap,
+                         host=index.backend.on_host(q))
     for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.tile_width):
         state.add(*t)
     return state.result(call.sinks)

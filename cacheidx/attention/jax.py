@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from .. import plan as plans
-from ..devices import to_host
 from ..laws import inside
 from ..quantized import Quantized
 from . import runs
@@ -82,7 +81,7 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     down (:func:`rounded`): a prefix that differs by a few pages is the same program."""
     from . import SCORES
 
-    on_host = index.map(to_host)
+    on_host = index.host()  # the host's values: nothing read back (cacheidx.plan's law)
     table = on_host.lane_table
     width = int(table.shape[1])
     if index.seq > runs.ROWS or index.batch * index.seq * width > runs.WHOLE:
@@ -131,7 +130,8 @@ def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
         return None
     if not share:
         return share
-    pos, valid = to_host(nxt.pos)[:, 0], to_host(nxt.valid)[:, 0]
+    on_host = nxt.host()
+    pos, valid = on_host.pos[:, 0], on_host.valid[:, 0]
     if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
         return share
     return None

@@ -54,7 +54,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import plan as plans
-from ..devices import to_host as host
 from ..laws import inside
 from ..quantized import Quantized
 from . import layout, paths
@@ -168,8 +167,8 @@ def _plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: 
           ) -> _Runs | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, and (with ``share``) the groups
     of lanes sharing a prefix, or ``None`` where some lane's seen columns are not a few runs of
-    slots inside the pool. Worked out on the host, on a NumPy copy of the index: the laws' own
-    helpers, with no device round trip per piece."""
+    slots inside the pool. Worked out on the host, on the index's host values
+    (:meth:`~cacheidx.CacheIndex.host`): the laws' own helpers, nothing read from a device."""
     on_host = _host_index(index)
     table, some = on_host.lane_table, on_host.seen_by_some()
     width = int(table.shape[1])
@@ -378,8 +377,9 @@ plans.CARRY["runs"] = carry
 
 
 def _host_index(index: Any) -> Any:
-    """``index`` with its tensors copied to NumPy."""
-    return index.map(host)
+    """``index`` over its host values (:meth:`~cacheidx.CacheIndex.host`: never read back
+    from a device)."""
+    return index.host()
 
 
 def _one_lane(index: Any, b: int) -> Any:
@@ -440,7 +440,7 @@ def _owned(call: Any, own: _Own, grouped: Any, dv: int, shared: dict) -> dict[in
     xp, index = call.index.xp, call.index
     lanes = list(own.lanes)
     state = Online(xp, "lane", xp.concat([grouped[b:b + 1, ...] for b in lanes], axis=0), dv,
-                   call.softcap, call.q.dtype)
+                   call.softcap, call.q.dtype, host=_in_host_memory(call))
     parts = [shared[b][0] for b in lanes]  # a lane shares one prefix: its group's
     state.merge(*(xp.concat([p[i] for p in parts], axis=0) for i in range(3)))
 
@@ -461,7 +461,8 @@ def _shared(call: Any, group: _Group, grouped: Any, dv: int, interleaved: bool,
     lanes = len(group.lanes)
     q = xp.concat([grouped[b:b + 1, ...] for b in group.lanes], axis=0)
     q = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, lanes * g, seq, d))
-    state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products)
+    state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products,
+                   host=_in_host_memory(call))
     _fold(call, state, q, 0, seq, group.pieces, None, interleaved)
     split = [xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1])))
              for x in (state.m, state.l, state.acc)]
@@ -480,7 +481,7 @@ def _lane(call: Any, own: Any, blocks: _Blocks, grouped: Any, dv: int, interleav
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
-                       products=products)
+                       products=products, host=_in_host_memory(call))
         for m, l, acc in shared:
             state.merge(m, l, acc)
         _fold(call, state, grouped, i0, i1, pieces, own, interleaved)
@@ -544,14 +545,21 @@ def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, 
     if got is None:
         return False
     m, l, acc = got
-    if not state.masked and bool(xp.any(m == -xp.inf)):
+    if not state.masked and (not state.host or bool(xp.any(m == -xp.inf))):
         # a query that weighed no column of the run (its scores all -inf): its l may stay zero,
-        # which the state then selects around, as after a mask
+        # which the state then selects around, as after a mask (asked only in host memory;
+        # selecting around a positive l changes nothing)
         state.masked = True
     shape = (1, kv, g, i1 - i0)
     state.merge(xp.reshape(m, (*shape, 1)), xp.reshape(l, (*shape, 1)),
                 xp.reshape(acc, (*shape, state.dv)))
     return True
+
+
+def _in_host_memory(call: Any) -> bool:
+    """Whether the call's queries lie in host memory (``Backend.on_host``), where a tile's
+    product is asked whether it is finite at no cost (:class:`~.softmax.Online`)."""
+    return call.index.backend.on_host(call.q)
 
 
 def _bytes(xp: Any, dtype: Any) -> int:

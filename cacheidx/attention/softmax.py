@@ -174,14 +174,21 @@ class Online:
     #: a library's own products for one lane's views (:class:`~.paths.Products`), or None
     products: Any = None
     #: whether the arrays are a compiler's tracers (no value can be read), ``None``: found
-    #: from the first tile's (:func:`traced`). Eagerly a tile's product is checked for a
-    #: value that is not finite and weighed carefully only then; traced, always
+    #: from the first tile's (:func:`traced`)
     traced: bool | None = None
+    #: whether the tiles lie in host memory (``Backend.on_host``), where a tile's product is
+    #: asked whether it is finite (one sum read, no wait) and weighed carefully only where it
+    #: is not. Elsewhere (a device; traced) every tile is weighed carefully, its non-finite
+    #: values selected out on the device (:meth:`_weigh_selected`): the host never waits on
+    #: the device for the answer (:mod:`cacheidx.plan`'s host-first law). Both give one value
+    #: where every value is finite: the careful product then multiplies the values unchanged
+    host: bool = False
 
     @classmethod
     def start(cls, xp: Any, q: Any, keys_of: str, dv: int, kv: int, *, scale: float,
-              softcap: float | None) -> Online:
-        return cls(xp, keys_of, group(xp, q, keys_of, kv, scale), dv, softcap, q.dtype)
+              softcap: float | None, host: bool = False) -> Online:
+        return cls(xp, keys_of, group(xp, q, keys_of, kv, scale), dv, softcap, q.dtype,
+                   host=host)
 
     def scores(self, keys: Any) -> Any:
         """``cap(scale * q . k)`` of every query against one tile's keys, as ``keys_of`` has them:
@@ -256,7 +263,7 @@ class Online:
             values = _as(xp, values, p.dtype)
         if self.traced is None:
             self.traced = traced(values.codes if quantized else values)
-        weighed = None if self.traced else self._weigh(p, values)
+        weighed = None if self.traced or not self.host else self._weigh(p, values)
         # IEEE products: a value that is not finite makes its whole column of the product
         # non-finite, whatever it is multiplied by, so a finite product had none to select
         if weighed is None or not _finite(xp, weighed):

@@ -75,18 +75,23 @@ def _rows(index: Any, pool: Any, plan: _Plan) -> Any:
     return rows(index, pool, plan.read, plan.shape)
 
 
-def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any) -> list[_Plan]:
+def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
+           seen: Any = None) -> list[_Plan]:
     """Each pool's plan of one tile, kept by the index under ``key`` and the pool's size;
-    ``make()`` gives the tile's ``(slots, ok, mask)``, and is called only to make one."""
+    ``make()`` gives the tile's ``(slots, ok, mask)``, and is called only to make one;
+    ``seen(host)`` the tile's mask on the host index ``host`` (:meth:`CacheIndex.host
+    <cacheidx.CacheIndex.host>`), which says whether some token sees a column and whether
+    every token sees every one, read there rather than from the device."""
     xp, backend = index.xp, index.backend
 
     def plan(n: int) -> _Plan:
-        slots, ok, mask = make()
+        slots, ok, _ = make()
         gate = ok & inside(slots, n)
         read = backend.read_plan(xp.reshape(slots, (-1,)), xp.reshape(gate, (-1,)), n)
         if backend.tracing(index.pos):
             return _Plan(tuple(slots.shape), read, True, False)
-        return _Plan(tuple(slots.shape), read, bool(xp.any(mask)), bool(xp.all(mask)))
+        mask = seen(index.host())
+        return _Plan(tuple(slots.shape), read, bool(mask.any()), bool(mask.all()))
 
     return [index.planned("tile", (*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
             for p in pools]
@@ -104,15 +109,18 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
     for c0, c1 in _spans(int(index.columns_table.shape[1]), size):
 
-        def mask(c0: int = c0, c1: int = c1) -> Any:
-            j = index.arange(c1 - c0)[None, None, :] + c0
-            return index.draft_sees_table(j) if draft else index.sees_columns(j)
+        def mask(c0: int = c0, c1: int = c1, of: Any = index) -> Any:
+            j = of.arange(c1 - c0)[None, None, :] + c0
+            return of.draft_sees_table(j) if draft else of.sees_columns(j)
 
-        def make(c0: int = c0, c1: int = c1, mask: Any = mask) -> tuple[Any, Any, Any]:
+        def make(c0: int = c0, c1: int = c1) -> tuple[Any, Any, Any]:
             table, some = lanes()
-            return table[:, c0:c1], some[:, c0:c1], mask()
+            return table[:, c0:c1], some[:, c0:c1], None
 
-        k_plan, v_plan = _plans(index, ("attend", c0, c1), (kpool, vpool), make)
+        def seen(host: Any, mask: Any = mask) -> Any:
+            return mask(of=host)
+
+        k_plan, v_plan = _plans(index, ("attend", c0, c1), (kpool, vpool), make, seen)
         if k_plan.live:
             yield Tile(_rows(index, kpool, k_plan), _rows(index, vpool, v_plan),
                        None if k_plan.full else mask())
@@ -137,7 +145,12 @@ def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
         def make(part: Any = part, seen: Any = seen) -> tuple[Any, Any, Any]:
             return part.lane_lookup(part.lane_table, part.columns, seen), seen, seen
 
-        k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make)
+        def seen_on(host: Any, c0: int = c0, c1: int = c1) -> Any:
+            cut = dataclasses.replace(host, columns=host.columns[:, :, c0:c1])
+            return cut.sees_columns(cut.columns)
+
+        k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make,
+                                seen_on)
         if k_plan.live:
             yield Tile(_rows(index, kpool, k_plan), _rows(index, vpool, v_plan),
                        None if k_plan.full else seen)

@@ -275,6 +275,14 @@ class Backend:
         """Whether ``x`` is a value being traced by a compiler (not a concrete array)."""
         return False
 
+    def on_host(self, x: Any) -> bool:
+        """Whether ``x`` (concrete) lies in host memory that the host reads with no copy and
+        no wait for a device: there an index compares its tensors with the host values its
+        plan was made from (:meth:`cacheidx.CacheIndex.host`), and a tile's product is asked
+        whether it is finite. Elsewhere (a device: ``False``, the default) nothing is read
+        back (:mod:`cacheidx.plan`'s law)."""
+        return False
+
     def __reduce__(self) -> Any:
         # pickles as the registry's instance, never its namespace module
         from . import get

@@ -17,6 +17,9 @@ class NumpyBackend(Backend):
 
         return array_api_compat.numpy
 
+    def on_host(self, x: Any) -> bool:
+        return True
+
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
         keep = inside(slots, pool.shape[0])
         out = pool if donate else pool.copy(order="K")  # in its memory order

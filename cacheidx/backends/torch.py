@@ -311,6 +311,11 @@ class TorchBackend(Backend):
         return torch.compiler.is_compiling() or isinstance(
             x, torch._subclasses.fake_tensor.FakeTensor)
 
+    def on_host(self, x: Any) -> bool:
+        """A plain CPU tensor: its memory is the host's, read with no copy (eager CPU work is
+        done when the call returns)."""
+        return _on_host(x)
+
     def programs(self, jitted: Callable) -> int | None:
         # dynamo keeps one cache entry per program on the compiled function's code
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list

@@ -163,7 +163,7 @@ class Step:
             self._prefill, self._decode = map(be.inference,
                                               _steps(model, self.xp, groups, eager=True))
         self._buffers: dict[tuple, Any] = {}
-        self._tables: dict[int, tuple] = {}  # group -> (columns, version, array)
+        self._tables: dict[int, tuple] = {}  # group -> (columns, version, array, its host's)
         self._fed: _Fed | None = None
         self.shapes: dict[str, set] = {"prefill": set(), "decode": set()}
 
@@ -206,10 +206,15 @@ class Step:
             self._fed, key) else None
         now = [self._table_of(g, t, columns, v)
                for g, (t, v) in enumerate(zip(tables, versions, strict=True))]
+        # law 4: the host's values of each table beside it (cacheidx.plan's host-first law)
+        hosts = [self._tables[g][3] for g in range(len(now))]
         if fed is not None and fed.indices is not None:  # eagerly, the plan carried (law 4)
             new_blocks = None if blocks is None else [self._blocks_of(blocks, columns)]
-            indices = tuple(ix.advance(table=t, blocks=new_blocks if g == 0 else None)
-                            for g, (ix, t) in enumerate(zip(fed.indices, now, strict=True)))
+            indices = tuple(
+                ix.advance(table=t, blocks=new_blocks if g == 0 else None,
+                           host=[h, *(self._tables[-1][3] for _ in new_blocks or ()
+                                      if g == 0)])
+                for g, (ix, t, h) in enumerate(zip(fed.indices, now, hosts, strict=True)))
             if self.debug:
                 self._check_fed(indices, pos, rows)
         else:
@@ -217,6 +222,10 @@ class Step:
             every = [] if blocks is None else [(self.states[0], self._blocks_of(blocks, columns))]
             indices = tuple(ci.make(pos_in, t, row=rows_in, every=every if g == 0 else None)
                             for g, t in enumerate(now))
+            if not self.compiled:  # the values they were made from (compiled: traced)
+                for g, (ix, h) in enumerate(zip(indices, hosts, strict=True)):
+                    ix.refilled([rows, pos, h, *(self._tables[-1][3] for _ in every
+                                                 if g == 0)])
         index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
             for ix in indices:
@@ -319,9 +328,9 @@ class Step:
         kept = self._tables.get(group)
         if kept is not None and kept[:2] == (columns, version):
             return kept[2]
-        array = self._put(name or ("table" if group == 0 else f"table {group}"),
-                          np.ascontiguousarray(table[:, :columns]))
-        self._tables[group] = (columns, version, array)
+        host = np.array(table[:, :columns])  # a copy the scheduler never writes to
+        array = self._put(name or ("table" if group == 0 else f"table {group}"), host)
+        self._tables[group] = (columns, version, array, host)
         return array
 
 
@@ -394,8 +403,6 @@ def _chooser(backend: Any, device: Any) -> Any:
 
         have = _CHOOSERS[key] = backend.inference(backend.one_program(pick))
     return have
-
-
 
 
 def _compiled(model: Any, backend: Any, programs: int, groups: Groups | None = None,
