@@ -421,12 +421,14 @@ def serve_command(folder, prompts, capsys, tmp_path, *options):
 def test_the_serve_command_gives_transformers_greedy_tokens(name, mode, reference, saved,
                                                             tmp_path, capsys):
     """``python -m cacheidx.serve --model FOLDER`` of a folder ``save_pretrained`` wrote (the
-    engine's own snapshot block and pools): the command's tokens are transformers' greedy
-    ones with the prefix cache on (the third prompt resumes at the first's junction, its 8
-    shared tokens), off (``--no-cache``: nothing read from the cache), and under eviction
-    (``--pages 5``: pages and snapshots evicted, the prompts twice)."""
+    engine's own snapshot block): the command's tokens are transformers' greedy ones with the
+    prefix cache on (``--pages 32``, a snapshot pool with room for the junctions: the third
+    prompt resumes at the first's junction, its 8 shared tokens), off (``--no-cache``:
+    nothing read from the cache), and under eviction (``--pages 5``: pages and snapshots
+    evicted, the prompts twice)."""
     wrapped, want = reference(name)
-    options, prompts = {"cache": ([], PROMPTS), "no-cache": (["--no-cache"], PROMPTS),
+    options, prompts = {"cache": (["--pages", "32"], PROMPTS),
+                        "no-cache": (["--no-cache"], PROMPTS),
                         "eviction": (["--pages", "5"], PROMPTS * 2)}[mode]
     got, f = serve_command(saved(name), prompts, capsys, tmp_path, *options)
     assert [r["tokens"] for r in got] == want * (len(prompts) // len(PROMPTS))

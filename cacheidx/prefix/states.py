@@ -14,9 +14,9 @@ Laws (the cache's, for the snapshot group; ``k = m / P`` pages a block):
     at most ``m - 1`` tokens short of the pages' hit, never the whole prompt.
 13. A cached snapshot is read by the requests holding its node (law 3's readers); one read by
     no one may be evicted alone, least recently released first, its node staying without
-    it (of those one release let go, the deepest first: a shallower one serves every prompt a
-    deeper one does, and more); a node evicted takes its snapshot with it. The pool's slots
-    are its own budget: an admission evicts snapshots for snapshots, pages for pages.
+    it (of those one release let go, the shallowest first: the deepest is where a chat's
+    next turn resumes); a node evicted takes its snapshot with it. The pool's slots are its
+    own budget: an admission evicts snapshots for snapshots, pages for pages.
 14. Junctions. A request also holds one slot more, its junction: the caller copies its running
     state there after a call whose last token closes a page (:meth:`StateManager.mark`, at
     the end of the prompt's last whole page before its last token, and at each page end
@@ -138,7 +138,7 @@ class StateManager(GroupManager):
 
     def release(self, hold: GroupHold, nodes: list[CachedPage]) -> None:
         g, pool = self.g, self.pool
-        for x in reversed(nodes):  # the deepest first in the heap: it goes first (law 13)
+        for x in nodes:  # the shallowest first in the heap: it goes first (law 13)
             if x.readers == 0 and x.pages[g] >= 0:
                 pool.unread += 1
                 self.push(x)
