@@ -50,16 +50,18 @@ def decode_step(lib: str, *, overflow: bool):
 
 
 def used_kernel(monkeypatch) -> list[bool]:
-    """Whether each run the core offered the kernel went through it."""
+    """Whether each run the core offered the kernel (or each decode step offered the paged
+    kernel, :mod:`cacheidx.attention.paged`) went through it."""
     calls: list[bool] = []
-    states = native.states
+    for name in ("states", "paged"):
+        real = getattr(native, name)
 
-    def spy(*args):
-        got = states(*args)
-        calls.append(got is not None)
-        return got
+        def spy(*args, real=real):
+            got = real(*args)
+            calls.append(got is not None)
+            return got
 
-    monkeypatch.setattr(native, "states", spy)
+        monkeypatch.setattr(native, name, spy)
     return calls
 
 

@@ -1,7 +1,9 @@
 """PyTorch: a compiled call is one opaque operator that attends eagerly, as vLLM's layers do;
 and over head-major pools on the CPU, a lane's products shaped as torch streams them fastest.
 
-Eagerly, the core reads a lane's runs of slots as views of the pools (:mod:`.runs`); traced,
+Eagerly, a decode step over CPU pools is read by the CPU kernel, which walks each lane's page
+table itself (:mod:`.paged`); other calls the core reads as views of runs of slots
+(:mod:`.runs`); traced,
 there are no values to find runs in, and the standard's tiles gather every tile's keys, which
 costs a compiled decode layer several times an eager one (docs/attention.md has the figures).
 So under ``torch.compile`` a call is
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from ..plan import Recent
 from ..quantized import Quantized, parts
-from . import layout
+from . import layout, paged
 
 __all__ = ["HeadMajor", "TorchPath", "operands"]
 
@@ -36,7 +38,9 @@ class TorchPath:
     def attend(self, call: Any) -> tuple[Any, Any, Any] | None:
         index = call.index
         if not index.backend.tracing(index.pos):
-            return None  # eagerly the core reads views itself
+            # eagerly a decode step over CPU pools is the paged kernel's where it applies;
+            # otherwise the core reads views itself
+            return paged.attend(call)
         if call.q.device.type != "cpu":
             # the operator plans its reads on the host, which a CUDA graph cannot capture
             # (the engine replays its steps as ones): on a GPU the traced tiles stay
