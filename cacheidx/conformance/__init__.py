@@ -8,6 +8,7 @@ from . import attention as _attention  # noqa: F401  (registers attend's laws)
 from . import laws as _laws  # noqa: F401  (registers the laws)
 from . import model as _model  # noqa: F401  (registers the model-level laws)
 from . import quantized as _quantized  # noqa: F401  (registers the quantized pools' laws)
+from . import sampling as _sampling  # noqa: F401  (registers the engine's sampling law)
 from . import state as _state  # noqa: F401  (registers the laws of recurrent state)
 from .suite import LAWS, Case, Law, agree, law
 

@@ -286,25 +286,29 @@ def choose(xp: Any, logits: Any, d: Draw, device: Any = None) -> Any:
         z = z + d.bias
     greedy = xp.argmax(z, axis=-1)  # law 2: temperature 0
     hot = d.temperature > 0
+    one = xp.ones_like(d.temperature)  # where's branches as arrays (torch.compile asks)
     # shifted to the lane's largest before the division, so a small temperature sends the
     # others to -inf, never inf - inf
     top = xp.max(z, axis=-1, keepdims=True)
-    s = (z - top) / xp.where(hot, d.temperature, 1.0)[:, None]
+    s = (z - top) / xp.where(hot, d.temperature, one)[:, None]
     ranked = xp.sort(s, axis=-1, descending=True)
     place = xp.arange(vocab, dtype=xp.int32, device=device)[None, :]
-    k = xp.where(d.top_k > 0, xp.minimum(d.top_k, vocab), vocab)[:, None]
-    in_k = place < k
-    p = xp.where(in_k, xp.exp(ranked - ranked[:, :1]), 0.0)
+    whole = xp.full_like(d.top_k, vocab)
+    k = xp.where((d.top_k > 0) & (d.top_k < whole), d.top_k, whole)
+    in_k = place < k[:, None]
+    p = xp.where(in_k, xp.exp(ranked - ranked[:, :1]), xp.zeros_like(ranked))
     p = p / xp.sum(p, axis=-1, keepdims=True)  # the softmax among the top k
     before = xp.cumulative_sum(p, axis=-1) - p  # the mass above each ranked token
     kept = in_k & ((before < d.top_p[:, None]) | (d.top_p[:, None] >= 1.0))
-    cutoff = xp.min(xp.where(kept, ranked, math.inf), axis=-1)
+    never = xp.full_like(ranked, -math.inf)
+    cutoff = -xp.max(xp.where(kept, -ranked, never), axis=-1)
     # min_p: p_j >= min_p * p_max, that is s_j >= s_max + log(min_p) (no log of 0 taken)
-    floor = ranked[:, 0] + xp.where(d.min_p > 0, xp.log(xp.where(d.min_p > 0, d.min_p, 1.0)),
-                                    -math.inf)
+    floor = ranked[:, 0] + xp.where(d.min_p > 0, xp.log(xp.where(d.min_p > 0, d.min_p, one)),
+                                    -xp.full_like(one, math.inf))
     cutoff = xp.maximum(cutoff, floor)
     g = -xp.log(-xp.log(uniform(xp, d.key, vocab, device=device)))
-    drawn = xp.argmax(xp.where(s >= cutoff[:, None], s + g, -math.inf), axis=-1)
+    drawn = xp.argmax(xp.where(s >= cutoff[:, None], s + g, xp.full_like(s, -math.inf)),
+                      axis=-1)
     return xp.where(hot, drawn, greedy)
 
 
