@@ -155,3 +155,76 @@ def test_an_eager_decode_step_reads_nothing_back_but_the_sampled_tokens(lib, mon
     assert calls >= 8
     assert not reads.forbidden, (len(reads.forbidden), sorted(set(reads.forbidden)))
     assert sum(allowed for _, allowed in reads.seen) >= calls
+
+
+def test_the_device_path_gives_the_hosts_tokens(monkeypatch):
+    """The engine's tokens on torch with its tensors standing for device memory (every tile
+    weighed carefully, the row kernels' stand-ins storing and reading) equal those with them in
+    host memory."""
+    _, _, device = decode_reads(monkeypatch, "torch")
+    monkeypatch.undo()
+    reads, _, host = decode_reads(monkeypatch, "torch")
+    assert device == host
+
+
+def _refill(lib):
+    """A one-lane index over a device-standing table, attended once, and its inputs."""
+    import cacheidx as ci
+
+    backend_or_skip(lib)
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 5, 2, 8), dtype=np.float32))
+               for _ in range(3))
+    pools = [torch.from_numpy(rng.standard_normal((32, 2, 8), dtype=np.float32))
+             for _ in range(2)]
+    # positions 3 to 7: columns 0 to 2 are read from the pools, never stored by the call
+    pos, tab = torch.arange(3, 8)[None, :], torch.arange(8)[None, :]
+    return ci, ci.make(pos, tab), (q, k, v, *pools), pos, tab
+
+
+def test_a_device_table_refilled_in_place_is_declared_by_its_writer(monkeypatch):
+    """On a device the index never reads its table back: refilled in place, the writer says
+    so (``refilled``) and the call equals a fresh index's over the new table; the index's
+    values are read once, the first time (``make`` was handed device arrays)."""
+    from cacheidx.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_on_host", lambda *tensors: False)
+    import torch
+
+    ci, ix, call, pos, tab = _refill("torch")
+    ix.attend(*call)
+    before = ix.attend(*call)
+    tab[0, :3] = torch.tensor([20, 21, 22])
+    values = [pos.numpy().copy(), tab.numpy().copy()]  # the writer's own (not the index's)
+    with counting(monkeypatch, "torch") as reads:
+        reads.on = True
+        untold = ix.attend(*call)  # the writer said nothing: the values the host knows
+        ix.refilled(values)
+        got = ix.attend(*call)
+        reads.on = False
+    assert not reads.forbidden, reads.forbidden
+    want = ci.make(pos.clone(), tab.clone()).attend(*call)
+    assert all(torch.equal(a, b) for a, b in zip(untold, before))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0], before[0])
+
+
+def test_refilled_and_advance_refuse_values_of_another_shape():
+    """``refilled`` takes one array per tensor, each of its shape; ``advance``'s ``host`` one
+    per table given, of its shape, and only with ``table``: each else raises naming the
+    method."""
+    import cacheidx as ci
+
+    ix = ci.rows(8, [3, 5])
+    with pytest.raises(ValueError, match="cacheidx.refilled: the index has 2 tensors"):
+        ix.refilled([np.zeros((2, 5))])
+    with pytest.raises(ValueError, match="cacheidx.refilled: tokens.table has shape"):
+        ix.refilled([np.zeros((2, 5)), np.zeros((2, 7))])
+    with pytest.raises(ValueError, match="cacheidx.advance: host gives"):
+        ix.advance(host=[np.zeros((2, 8))])
+    table = np.arange(16).reshape(2, 8)
+    with pytest.raises(ValueError, match="cacheidx.advance: host's values of table"):
+        ix.advance(table=table, host=[np.zeros((2, 9))])
+    with pytest.raises(ValueError, match="cacheidx.advance: host must hold"):
+        ix.advance(table=table, host=[table, table])
