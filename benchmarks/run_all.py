@@ -298,6 +298,28 @@ def plots(stem: str, data, img: Path) -> list[str]:
         ax.set_title(f"{stem}: one layer's prefill, peak memory")
         ax.legend(fontsize=7)
         save(fig, "prefill")
+    per_m = data.get("per_m")
+    if isinstance(per_m, list) and per_m and {"m", "reuse", "no_reuse", "block_aligned"} <= set(
+            per_m[0]):
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        ms = [r["m"] for r in per_m]
+        for key, name, style in (("no_reuse", "no reuse", dict(ls=":", marker="o")),
+                                 ("block_aligned", "block-aligned at m (one checkpoint a "
+                                  "request)", dict(ls="--", marker="o")),
+                                 ("reuse", "hybrid, snapshots every m and junctions",
+                                  dict(ls="-", marker="o", lw=4, alpha=0.6)),
+                                 ("attention_only", "attention only (pages of 16)",
+                                  dict(ls="-", marker="x", color="black", lw=1))):
+            if key in per_m[0]:
+                ax.plot(ms, [r[key] for r in per_m], label=name, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("m (positions a snapshot block)")
+        ax.set_ylabel("prompt tokens computed")
+        ax.set_title(f"{stem}: a multi-turn chat's prompt tokens, per m")
+        ax.legend(fontsize=7)
+        save(fig, "tokens")
     report = data.get("report")
     if isinstance(report, dict) and {"tokens", "computed", "minimum"} <= set(report):
         fig, ax = plt.subplots(figsize=(6, 3.2))
