@@ -247,8 +247,10 @@ def test_a_hybrid_decoder_decodes_through_the_index_as_fed_whole(xp):
         nxt = np.argmax(host(logits), axis=-1)
         for b in range(2):
             got[b].append(int(nxt[b]))
+            # float32 rounding, in another order than fed whole (NumPy's decode reads the
+            # pages in the native kernel): lane 1's third step is the worst, near 1e-4
             close(host(logits)[b], want_logits[b][step], f"lane {b}'s logits at step {step}",
-                  1e-4)
+                  3e-4)
         tokens, ix = nxt[:, None].astype(np.int64), ix.advance()
     assert got == list(want)
     assert len(set(got[0])) > 1, "the tokens change as the prompt is decoded"
