@@ -26,7 +26,7 @@ from test_serve_windows import WindowedLedger
 
 from cacheidx.conformance.pytest_plugin import backend_or_skip
 from cacheidx.models import llama
-from cacheidx.serve import Engine, LlamaModel, Request, Result
+from cacheidx.serve import Engine, LlamaModel, Request, Result, Sampling
 from cacheidx.serve import __main__ as cli
 
 
@@ -353,3 +353,25 @@ def test_a_result_of_samples_reads_as_n_lists():
     r = Result("x", [1, 2], tokens=[[3], [3, 4]], n=2)
     assert r.samples == [[3], [3, 4]] and r.describe().endswith("2 samples of 1 to 2 new")
     assert Result("y", [1], tokens=[5]).samples == [[5]]
+
+
+def test_a_cancelled_request_of_samples_ends_once_its_waiting_samples_never_started(tiny):
+    """Engine.cancel on a request of 5 samples, 2 running and 3 waiting (2 lanes): it comes
+    back once, its error the cancellation, its started samples' tokens kept and the others
+    empty; the request beside it is served, and no page leaks."""
+    from cacheidx.serve.engine import CANCELLED
+
+    config, params, model = tiny
+    e = Engine(model, pages=64, page_size=4, lanes=2, clock="steps")
+    ticket = e.submit(Request("a", list(range(9)), 6, n=5,
+                              sampling=Sampling(temperature=2.0, seed=1)))
+    e.submit(Request("b", list(range(5)), 3))
+    out = [r for _ in range(3) for r in e.step()]
+    assert e.cancel(ticket) and not e.cancel(ticket)
+    while e.busy:
+        out += e.step()
+    a, b = sorted(out, key=lambda r: r.id)
+    assert a.error == CANCELLED and a.n == 5 and [len(t) for t in a.tokens] == [3, 2, 0, 0, 0]
+    assert b.error is None and b.tokens == alone(config, params, list(range(5)), 3)[0]
+    assert e.figures()["failed"] == 1
+    check_no_leak(e)

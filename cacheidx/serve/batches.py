@@ -69,7 +69,6 @@ class Samples:
     def drop(self) -> None:
         """The samples not started never will (a cancelled request): they count as ended."""
         self.ended += self.n - len(self.results)
-        self.n = len(self.results)
 
     def gather(self, now: float) -> Result:
         """The request's result, from its samples' (see :class:`Result`); an error set on it
