@@ -175,15 +175,19 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     ``[..., d // 2]`` uint8 at 4 bits; scales ``[...]`` in ``scale_dtype`` (float32). ``xp``
     is ``x``'s namespace (found from ``x`` without it; a compiler traces faster with it).
     ``x`` must hold real floats (``TypeError``) in rows of at least one element
-    (``ValueError``); a float16 or bfloat16 ``scale_dtype`` keeps Q1 and Q3 as the module
-    states them, eagerly and compiled (:func:`narrowed`)."""
+    (``ValueError``), ``scale_dtype`` be a real float dtype (``TypeError``); a float16 or
+    bfloat16 ``scale_dtype`` keeps Q1 and Q3 as the module states them, eagerly and compiled
+    (:func:`narrowed`)."""
     fn = "quantized.quantize"
     bits = width(fn, bits)
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"cacheidx.{fn}: x must be an array of rows, got {type(x).__name__}")
     xp = xp or _xp(x)
-    if not xp.isdtype(x.dtype, "real floating"):
+    if not _real_floats(xp, x.dtype):
         raise TypeError(f"cacheidx.{fn}: x must hold real floats, got dtype {x.dtype}")
+    if scale_dtype is not None and not _real_floats(xp, scale_dtype):
+        raise TypeError(f"cacheidx.{fn}: scale_dtype must be a real float dtype, got "
+                        f"{scale_dtype}")
     if x.ndim == 0 or int(x.shape[-1]) == 0:
         raise arguments.fail(fn, "x must be rows [..., d] of at least one element each, got "
                              f"shape {list(x.shape)}")
@@ -217,6 +221,18 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     return xp.bitwise_or(u[..., :half], xp.bitwise_left_shift(u[..., half:], 4)), scales
 
 
+def _real_floats(xp: Any, dtype: Any) -> bool:
+    """Whether ``dtype`` is a real float dtype of ``xp``'s library, NumPy's ``bfloat16``
+    (ml_dtypes': a JAX array of bfloat16 comes to NumPy as one) included."""
+    try:
+        return bool(xp.isdtype(dtype, "real floating"))
+    except (TypeError, AttributeError):  # the standard's NumPy knows no ml_dtypes dtype
+        try:
+            return np.dtype(dtype).name == "bfloat16"
+        except TypeError:
+            return False
+
+
 def narrowed(s: Any, dtype: Any, *, xp: Any) -> Any:
     """Scales ``s`` (float32, each zero, NaN, or a normal float32 below ``2**127``: a scale is at
     most float32's largest over 7) rounded to the narrower real
@@ -246,7 +262,9 @@ def narrowed(s: Any, dtype: Any, *, xp: Any) -> Any:
     # (which a library may compute as exp(y log x), not exactly)
     powers = xp.asarray([2.0**e for e in range(-126, 128)], dtype=f32, **where)
     e = xp.clip(xp.floor(xp.log2(safe)), -126.0, 127.0)
-    p = xp.take(powers, xp.astype(e, xp.int32) + 126)
+    # the standard's take is of 1-d indices (torch's index_select refuses others): flattened
+    at = xp.reshape(xp.astype(e, xp.int32) + 126, (-1,))
+    p = xp.reshape(xp.take(powers, at), tuple(e.shape))
     p = xp.where(p > safe, p * 0.5, p)
     p = xp.where(p <= safe * 0.5, p * 2.0, p)
     r = xp.round((safe / p) * half) * (1.0 / half) * p
@@ -298,7 +316,7 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
     if codes.dtype not in (xp.int8, xp.uint8):
         raise TypeError(f"cacheidx.{fn}: codes must be int8 (8 bits) or uint8 (4 bits, two a "
                         f"byte), got {codes.dtype}")
-    if not xp.isdtype(scales.dtype, "real floating"):
+    if not _real_floats(xp, scales.dtype):
         raise TypeError(f"cacheidx.{fn}: scales must hold real floats, got {scales.dtype}")
     if codes.ndim == 0 or tuple(scales.shape) != tuple(codes.shape[:-1]):
         raise arguments.fail(fn, f"scales must have the codes' shape but their last axis: "

@@ -41,7 +41,8 @@ def reference(x: np.ndarray, bits: int, scale_dtype=np.float32):
         return codes, scales
     q = LARGEST[bits]
     rows = np.asarray(x).astype(np.float32).reshape(-1, x.shape[-1])
-    codes, scales = codes.reshape(len(rows), -1).copy(), scales.reshape(-1).copy()
+    w = codes.shape[-1]  # never -1: there may be no row
+    codes, scales = codes.reshape(len(rows), w).copy(), scales.reshape(-1).copy()
     for r, row in enumerate(rows):
         a = np.max(np.abs(row))
         s = np.float32(a * np.float32(1 / q))
@@ -54,7 +55,7 @@ def reference(x: np.ndarray, bits: int, scale_dtype=np.float32):
             n = (c.astype(np.int16) + 8).astype(np.uint8)
             c = n[:len(n) // 2] | (n[len(n) // 2:] << 4)
         codes[r] = c
-    return codes.reshape(*x.shape[:-1], -1), scales.reshape(x.shape[:-1])
+    return codes.reshape(*x.shape[:-1], w), scales.reshape(x.shape[:-1])
 
 
 def host(x):

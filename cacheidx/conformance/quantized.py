@@ -66,7 +66,7 @@ def quantize(x: np.ndarray, bits: int, scale_dtype: Any = np.float32
         half = rows.shape[-1] // 2
         nibbles = (codes.astype(np.int16) + 8).astype(np.uint8)
         codes = nibbles[:, :half] | (nibbles[:, half:] << 4)
-    return (codes.reshape(*x.shape[:-1], -1),
+    return (codes.reshape(*x.shape[:-1], codes.shape[-1]),  # no row too: never -1
             scales.astype(scale_dtype).reshape(x.shape[:-1]))
 
 
