@@ -1,0 +1,202 @@
+"""Paged reads at the floor: decode tokens/s of 8 and 32 lanes whose caches hold 1k, 4k or 16k
+tokens on pages of 16 slots in a shuffled order, read by the CPU kernel that walks the page
+table itself, beside the core's reads of the same pools (the kernel off) and transformers'
+static cache; float32 and int8 pools; and the kernel over 1 thread against 2 at 16k.
+
+The model is ``long_context.py``'s (SmolLM2-135M's shape cut to 2 layers, random weights, the
+same on both sides). Each lane's context is its own (nothing shared), its pages drawn in a
+random order from one pool, as an allocator leaves them after a while of serving; a step is one
+forward of one token per lane and its argmax under ``torch.inference_mode()``, the index
+``advance()``d each step; one thread unless stated; the rate is the lanes over the median step,
+with the fastest and slowest. Every engine decodes the same tokens as transformers' static
+cache (float32: checked; int8's codes may move a token, which is said). The floor is the bytes
+a step must read (the weights and every lane's keys and values, codes and scales for int8) over
+the machine's measured one-thread bandwidth.
+
+    python benchmarks/paged_reads.py [--json PATH] [--contexts 1024 4096 16384] [--lanes 8 32]
+                                     [--steps N] [--kv float32 int8] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_context as lc  # noqa: E402  (sets one thread before numpy and torch load)
+import numpy as np  # noqa: E402
+
+PAGE = 16
+
+
+def say(msg: str) -> None:
+    print(f"    {msg}", flush=True)
+
+
+def shuffled_table(lanes: int, width: int, seed: int = 3) -> tuple[np.ndarray, int]:
+    """``[lanes, width]`` slots, each lane's pages drawn in a random order from one pool."""
+    per = -(-width // PAGE)
+    order = np.random.default_rng(seed).permutation(lanes * per)
+    pages = order.reshape(lanes, per)
+    table = (pages[:, :, None] * PAGE + np.arange(PAGE)[None, None, :]).reshape(lanes, -1)
+    return table[:, :width], lanes * per * PAGE
+
+
+def cacheidx_paged(config, params, layers, first, context: int, steps: int, kv: str,
+                   kernel: bool):
+    """cacheidx on torch over paged pools (``kv``: float32 or int8), the kernel on or off."""
+    import torch
+
+    import cacheidx as ci
+    from cacheidx import devices, quantized
+    from cacheidx.attention import native
+    from cacheidx.models import llama
+
+    be = ci.backends.get("torch")
+    xp = be.xp
+    lanes = len(first)
+    table, slots = shuffled_table(lanes, context + steps + 2)
+    weights = llama.convert(params, xp=xp)
+    at = xp.asarray(table[:, :context].reshape(-1))
+    pools = []
+    empty = llama.empty_pools(config, slots, like=weights["embed"],
+                              kv=None if kv == "float32" else kv)
+    for (k, v), pair in zip(layers, empty):
+        stored = []
+        for x, pool in zip((k, v), pair):
+            rows = torch.as_tensor(x.reshape(lanes * context, *x.shape[2:]))
+            if isinstance(pool, quantized.Quantized):
+                codes, scales = quantized.quantize(rows, pool.bits, xp=xp)
+                pool = quantized.Quantized(be.scatter(pool.codes, at, codes, donate=True),
+                                           be.scatter(pool.scales, at, scales, donate=True))
+            else:
+                pool = be.scatter(pool, at, rows, donate=True)
+            stored.append(pool)
+        pools.append(tuple(stored))
+    index = ci.make(xp.asarray(np.full((lanes, 1), context - 1)), xp.asarray(table))
+
+    def forward(weights, tokens, index, pools):
+        logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
+                                      last=True)
+        return xp.argmax(logits[:, 0, :], axis=-1), pools
+
+    run = be.inference(forward)
+    state = {"index": index.advance(), "tok": xp.reshape(xp.asarray(first), (lanes, 1)),
+             "pools": pools}
+
+    def step():
+        with contextlib.nullcontext() if kernel else native.off():
+            chosen, state["pools"] = run(weights, state["tok"], state["index"], state["pools"])
+        state["tok"] = xp.reshape(chosen, (lanes, 1))
+        state["index"] = state["index"].advance()
+        return devices.to_host(chosen).reshape(-1).tolist()
+
+    return lc.timed_steps(step, steps)
+
+
+def hf_static(model, layers, first, context: int, steps: int):
+    lc.BATCH = len(first)
+    try:
+        return lc.hf_engine(model, layers, first, context, steps, "static", "cpu")
+    finally:
+        lc.BATCH = 8
+
+
+def caches(config, lanes: int, context: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    shape = (lanes, context, config.kv_heads, config.head_dim)
+    layers = [(rng.standard_normal(shape, dtype=np.float32),
+               rng.standard_normal(shape, dtype=np.float32)) for _ in range(config.layers)]
+    return layers, rng.integers(0, config.vocab, lanes)
+
+
+def row_bytes(config, kv: str) -> int:
+    """Bytes one token's keys and values cost over every layer (int8: codes and scales)."""
+    per = config.kv_heads * (config.head_dim * 4 if kv == "float32" else config.head_dim + 4)
+    return 2 * config.layers * per
+
+
+def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> list[dict]:
+    import torch
+
+    layers, first = caches(config, lanes, context)
+    wbytes = lc.weight_bytes(params)
+    out, ref = [], None
+    engines = [("transformers static", "float32", True, 1)]
+    for kv in kvs:
+        engines += [("cacheidx paged kernel", kv, True, 1), ("cacheidx core reads", kv, False, 1)]
+        if context >= 16384:
+            engines += [("cacheidx paged kernel", kv, True, t) for t in threads if t != 1]
+    for engine, kv, kernel, t in engines:
+        floor = (wbytes + row_bytes(config, kv) * lanes * context) / bw
+        torch.set_num_threads(t)
+        t0 = time.perf_counter()
+        try:
+            if engine == "transformers static":
+                toks, seconds = hf_static(model, layers, first, context, steps)
+            else:
+                toks, seconds = cacheidx_paged(config, params, layers, first, context, steps,
+                                               kv, kernel)
+        finally:
+            torch.set_num_threads(1)
+        ref = toks if ref is None else ref
+        med = statistics.median(seconds)
+        out.append({"context": context, "lanes": lanes, "engine": engine, "kv": kv,
+                    "threads": t, "tokens_per_s": lanes / med, "step_ms": 1e3 * med,
+                    "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
+                    "floor_ms": 1e3 * floor, "same_tokens": toks == ref,
+                    "wall_s": time.perf_counter() - t0})
+        say(f"{engine} {kv} x{t} thread(s), {lanes} lanes x {context}: {lanes / med:.1f} "
+            f"tokens/s (step {1e3 * med:.1f} ms, {1e3 * min(seconds):.1f} to "
+            f"{1e3 * max(seconds):.1f}); floor {1e3 * floor:.1f} ms")
+    return out
+
+
+def report(rows: list[dict], bw: float, steps: int) -> None:
+    print(f"Decode over paged pools (pages of {PAGE}, shuffled), SmolLM2-135M's shape cut to 2 "
+          f"layers, nothing shared, {steps} steps after one to warm up; the floor reads the "
+          f"weights and every lane's keys and values ({bw / 1e9:.1f} GB/s).\n")
+    print("| lanes | context | engine | pools | threads | tokens/s | vs transformers static "
+          "| step ms (fastest-slowest) | floor ms | floor / step | same tokens |")
+    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---|")
+    for r in rows:
+        base = next(x for x in rows if x["engine"] == "transformers static"
+                    and x["lanes"] == r["lanes"] and x["context"] == r["context"])
+        print(f"| {r['lanes']} | {r['context']} | {r['engine']} | {r['kv']} | {r['threads']} "
+              f"| {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+              f"| {r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
+              f"| {r['floor_ms']:.1f} | {r['floor_ms'] / r['step_ms']:.2f} "
+              f"| {'yes' if r['same_tokens'] else 'no'} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--lanes", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--kv", nargs="+", default=["float32", "int8"], choices=["float32", "int8"])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args(argv)
+    bw = lc.bandwidth()
+    say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
+    model, config, params, _ = lc.load("shaped")
+    rows = []
+    for lanes in args.lanes:
+        for context in args.contexts:
+            rows += rows_for(model, config, params, bw, context, lanes, args.steps, args.kv,
+                             args.threads)
+    report(rows, bw, args.steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw,
+                                               "steps": args.steps}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
