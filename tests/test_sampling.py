@@ -110,6 +110,21 @@ def test_top_k_top_p_and_min_p_keep_what_their_law_says():
     assert set(draws(Z, 4000, min_p=math.exp(-1.05))) == {0, 1, 2}
 
 
+def test_a_draw_without_rank_filters_chooses_what_the_sorted_path_chooses():
+    """Law 3's cut with ``top_k`` 0 and ``top_p`` 1 keeps every token: the draw that says no
+    rank filter (``None``, no sort) chooses the same tokens, min_p and greedy lanes too."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((64, 40)).astype(np.float32) * 3
+    t = np.where(np.arange(64) % 5 == 0, 0, 0.5 + np.arange(64) / 32).astype(np.float32)
+    m = np.where(np.arange(64) % 3 == 0, 0.1, 0.0).astype(np.float32)
+    key = sp.lane_key(np.arange(64, dtype=np.uint64), np.zeros(64, np.int32),
+                      np.arange(64, dtype=np.int32))
+    sorted_ = sp.Draw(t, np.zeros(64, np.int32), np.ones(64, np.float32), m, key)
+    plain = sp.Draw(t, None, None, m, key)
+    assert (np.asarray(sp.choose(XP, logits, sorted_)).tolist()
+            == np.asarray(sp.choose(XP, logits, plain)).tolist())
+
+
 def test_temperature_zero_is_the_argmax_bit_for_bit():
     """Law 2: a greedy lane beside hot ones is the argmax of its logits, ties to the first."""
     rng = np.random.default_rng(3)

@@ -223,7 +223,9 @@ def uniform(xp: Any, key: Any, vocab: int, device: Any = None) -> Any:
 class Draw(NamedTuple):
     """The per-lane arrays a sampled call is fed (inputs, so a compiled step never recompiles
     for a request): ``temperature``, ``top_p``, ``min_p`` float32 ``[lanes]``; ``top_k``
-    int32 ``[lanes]`` (0: every token); ``key`` int32 ``[lanes]`` (:func:`lane_key`);
+    int32 ``[lanes]`` (0: every token; ``top_k`` and ``top_p`` both ``None`` where no lane
+    filters by rank, which spares the sort and chooses the same tokens); ``key`` int32
+    ``[lanes]`` (:func:`lane_key`);
     ``bias`` float32 ``[lanes, vocab]``, the penalties (law 4), or ``None`` where no lane
     has any. A lane of padding is greedy."""
 
@@ -271,6 +273,8 @@ def draw(lanes: Sequence[Any], size: int, vocab: int) -> Draw | None:
             counts = np.bincount(ids[ids < vocab], minlength=vocab).astype(np.float32)
             bias[b] = -(np.float32(s.frequency_penalty) * counts
                         + np.float32(s.presence_penalty) * (counts > 0))
+    if not (top_k.any() or (top_p < 1).any()):  # no lane filters by rank: no sort (choose)
+        top_k = top_p = None
     return Draw(temperature, top_k, top_p, min_p, lane_key(seeds, samples, steps), bias)
 
 
@@ -291,6 +295,10 @@ def choose(xp: Any, logits: Any, d: Draw, device: Any = None) -> Any:
     # others to -inf, never inf - inf
     top = xp.max(z, axis=-1, keepdims=True)
     s = (z - top) / xp.where(hot, d.temperature, one)[:, None]
+    floor = xp.where(d.min_p > 0, xp.log(xp.where(d.min_p > 0, d.min_p, one)),
+                     -xp.full_like(one, math.inf))  # min_p: s_j >= log(min_p), s's max 0
+    if d.top_k is None:  # no rank filters: a cut at the lowest kept, which every s passes
+        return _gumbel(xp, s, floor, hot, greedy, d.key, vocab, device)
     ranked = xp.sort(s, axis=-1, descending=True)
     place = xp.arange(vocab, dtype=xp.int32, device=device)[None, :]
     whole = xp.full_like(d.top_k, vocab)
@@ -302,11 +310,15 @@ def choose(xp: Any, logits: Any, d: Draw, device: Any = None) -> Any:
     kept = in_k & ((before < d.top_p[:, None]) | (d.top_p[:, None] >= 1.0))
     never = xp.full_like(ranked, -math.inf)
     cutoff = -xp.max(xp.where(kept, -ranked, never), axis=-1)
-    # min_p: p_j >= min_p * p_max, that is s_j >= s_max + log(min_p) (no log of 0 taken)
-    floor = ranked[:, 0] + xp.where(d.min_p > 0, xp.log(xp.where(d.min_p > 0, d.min_p, one)),
-                                    -xp.full_like(one, math.inf))
-    cutoff = xp.maximum(cutoff, floor)
-    g = -xp.log(-xp.log(uniform(xp, d.key, vocab, device=device)))
+    return _gumbel(xp, s, xp.maximum(cutoff, floor), hot, greedy, d.key, vocab, device)
+
+
+def _gumbel(xp: Any, s: Any, cutoff: Any, hot: Any, greedy: Any, key: Any, vocab: int,
+            device: Any) -> Any:
+    """Law 1's Gumbel-max over the logits ``s`` at or above each lane's ``cutoff``; the
+    greedy token where the lane is not ``hot``. (``s``'s largest is 0: the min_p floor,
+    ``p_j >= min_p * p_max``, is ``s_j >= log(min_p)``, no log of 0 taken.)"""
+    g = -xp.log(-xp.log(uniform(xp, key, vocab, device=device)))
     drawn = xp.argmax(xp.where(s >= cutoff[:, None], s + g, xp.full_like(s, -math.inf)),
                       axis=-1)
     return xp.where(hot, drawn, greedy)
