@@ -389,6 +389,8 @@ class CacheIndex:
                 if tuple(v.shape) != tuple(t.shape):
                     raise arguments.fail("advance", f"host's values of {name[7:]} have shape "
                                          f"{list(v.shape)}, the array {list(t.shape)}")
+                if self.backend.on_host(t) and np.may_share_memory(v, to_host(t)):
+                    v = np.array(v, copy=True)  # compared with the tensor: not its memory
                 nxt._known[name] = v
         # the parts that follow from this plan's
         object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
