@@ -284,15 +284,20 @@ def test_tiny_llama_samples_equal_a_single_requests_tokens_and_logits(tiny):
 def test_a_compiled_engine_serves_samples(tiny):
     """Torch compiled (aot_eager), one fixed shape of each call (compiling is what costs):
     the samples' tokens are the prompt's alone, beside a request of one sample, and the
-    prompt is computed once. (Samples are the host's: every backend's step runs them alike.)"""
+    prompt is computed once; seeded sampled samples are an eager engine's, with no program
+    more. (Samples are the host's: every backend's step runs them alike.)"""
     backend_or_skip("torch")
     config, params, model = tiny
     rng = np.random.default_rng(4)
     p, q = rng.integers(0, 64, 10).tolist(), rng.integers(0, 64, 6).tolist()
     engine = Engine(model, backend="torch", compile="aot_eager", pages=64, page_size=4,
                     lanes=4, chunk=16, clock="steps", context=32, shapes="fixed", debug=True)
-    sampled, single = engine.run([Request("s", p, 4, n=3), Request("one", q, 4)])
+    hot = Request("h", q, 4, n=2, sampling=Sampling(temperature=30.0, seed=42))
+    sampled, single, drawn = engine.run([Request("s", p, 4, n=3), Request("one", q, 4), hot])
     assert sampled.tokens == [alone(config, params, p, 4)[0]] * 3
+    # seeded samples beside the others: an eager NumPy engine's tokens, the programs the same
+    (eager,) = Engine(model, pages=64, page_size=4, lanes=4, clock="steps").run([hot])
+    assert drawn.tokens == eager.tokens and drawn.tokens[0] != drawn.tokens[1]
     assert single.tokens == alone(config, params, q, 4)[0]
     assert sampled.computed_tokens == 10 + 2 * own(p, 4)
     assert {k: len(v) for k, v in engine.executor.shapes.items()} == {"prefill": 1, "decode": 1}
