@@ -47,7 +47,7 @@ import dataclasses
 import math
 import operator
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -369,12 +369,3 @@ def safe(text: str, stops: Sequence[str]) -> int:
     while n and text[n - 1] == "\ufffd":
         n -= 1
     return n
-
-
-def stopped(lane: Any, detokenize: Callable[[list[int]], str] | None) -> bool:
-    """Law 6: whether ``lane``'s continuation holds one of its request's stop strings (never
-    without ``detokenize``)."""
-    s = getattr(lane.request, "sampling", None)
-    if detokenize is None or s is None or not s.stop:
-        return False
-    return cut(detokenize(lane.result.tokens), s.stop)[1]
