@@ -374,7 +374,9 @@ def law_a_whole_index_reads_values_and_keeps_the_pool(case: Case) -> None:
     v = ramp(2, 3)
     before = stored(2, {0: 1.0})
     given = case.array(before)
-    for kind, at in (("whole", ix), ("packed", build.packed(3, [[1, 2], [3]], **on(case)))):
+    # the object itself, asked eagerly (the eager run asks it; a compiled step gives values)
+    for kind, at in () if case.compiled else (
+            ("whole", ix), ("packed", build.packed(3, [[1, 2], [3]], **on(case)))):
         assert at.extend(case.array(v), given)[1] is given, (
             f"{kind}: extend returned another pool than the one it was given")
     seen, pool, got_mask, _ = case.call(observe, ix, case.array(v), given)
