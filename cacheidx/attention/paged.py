@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import plan as plans
 from ..laws import inside
 from ..quantized import parts
 from . import native, runs
@@ -111,6 +112,32 @@ def plan(index: Any, n: int, heads: int, share: bool) -> Plan | None:
                                None):
         return None
     return Plan(table, start, stop)
+
+
+def carry(index: Any, nxt: Any, key: tuple, part: Any) -> Plan | None:
+    """The plan of ``nxt = index.advance()`` from ``index``'s, where it follows: a decode step
+    after a decode step (one token a lane, no window, positions not blocks), each lane's new
+    column the one after its last, its slot inside the pool, a padding lane still reading
+    nothing. ``None`` (made anew) wherever that is not so. A refusal (``()``: a lane's gap or
+    hole, a shared prefix) is carried as it is: over the old columns, kept by the new table,
+    it still holds."""
+    n = key[0]
+    if index.seq != 1 or nxt.seq != 1 or index.block != 1 or index.window_size is not None:
+        return None
+    if not part:
+        return part
+    on_host = nxt.host()
+    table = np.ascontiguousarray(on_host.lane_table, dtype=np.int64)
+    pos, valid = np.asarray(on_host.pos)[:, 0], np.asarray(on_host.valid)[:, 0]
+    start, stop = part.start, part.stop
+    if np.any(stop[~valid] != start[~valid]) or not np.array_equal(pos[valid], stop[valid]):
+        return None
+    if np.any(pos[valid] >= table.shape[1]) or not np.all(inside(table[valid, pos[valid]], n)):
+        return None
+    return Plan(table, start.copy(), stop + valid)
+
+
+plans.CARRY["paged"] = carry
 
 
 def read(call: Any) -> Any | None:
