@@ -19,6 +19,12 @@ overflowed) weighs nothing, as :class:`~cacheidx.attention.softmax.Online` weigh
 whose scores so far are all ``-inf`` weighs no column (``m = -inf``, ``l = 0``, ``acc = 0``),
 never ``exp(-inf - -inf)``.
 
+Its second entry, ``cacheidx_paged`` (:func:`paged`, called by :mod:`.paged`), computes the same
+state for a whole decode step over paged pools: every lane and kv head in one call, split over
+the threads it is given, each lane's seen columns read through its row of the table (pages in
+any order, their rows fetched ahead), for float32, float16, bfloat16, int8 and int4 pools. Its
+sums, and the quantized runs', are partial sums in one order, the same on every machine.
+
 The kernel is a path of the law for values only, not gradients: it has no backward, so
 :func:`states` declines (the core's products, which autograd follows, read the run) wherever
 a gradient is asked: torch's grad mode on and the queries or a pool's scales requiring grad.
