@@ -164,9 +164,10 @@ def test_every_layer_of_a_call_reads_one_plan():
 
 
 def test_advance_carries_the_runs_a_decode_step_reads():
-    """``advance()``'s index starts from its last plan's runs where they follow (one more
-    column per lane): reading them makes no part again, and the output equals a fresh
-    index's."""
+    """``advance()``'s index starts from its last plan's read part where it follows (one more
+    column per lane): the core's runs, or the paged kernel's plan where a decode step over CPU
+    pools goes through it (``cacheidx.attention.paged``). Reading it makes no read part again,
+    and the output equals a fresh index's."""
     q, k, v, kpool, vpool = inputs("numpy", seq=1, slots=64)
     index = ci.rows(32, [3, 5])
     prompt = inputs("numpy", seq=5, slots=64)
@@ -175,10 +176,16 @@ def test_advance_carries_the_runs_a_decode_step_reads():
     for _ in range(4):
         _, kpool, vpool = step.attend(q, k, v, kpool, vpool)
         nxt = step.advance()
-        assert any(kind == "runs" for kind, *_ in nxt.plan._parts), nxt.plan
+        carried = {key: part for key, part in nxt.plan._parts.items()
+                   if key[0] in ("runs", "paged")}
+        assert carried, nxt.plan
         fresh = ci.make(nxt.pos.copy(), nxt.table.copy())
         assert equal(nxt.attend(q, k, v, kpool.copy(), vpool.copy()),
                      fresh.attend(q, k, v, kpool.copy(), vpool.copy()))
+        read = {key: part for key, part in nxt.plan._parts.items()
+                if key[0] in ("runs", "paged")}
+        assert read.keys() == carried.keys() and all(
+            read[key] is carried[key] for key in read), "the carried part was read, not remade"
         step = nxt
 
 
