@@ -164,7 +164,8 @@ def test_the_compiled_engine_over_int8_pools_gives_the_eager_tokens(tiny):
                     shapes="fixed", **COMMON)
     step = engine.executor
     where = [tuple(p.data_ptr() for pool in pair for p in pool) for pair in step.pools]
-    assert [r.tokens for r in chat(engine, conversations=3)] == eager
+    got = chat(engine, conversations=3)
+    assert [r.tokens for r in got] == eager, [r.error for r in got]
     assert engine.figures()["cached_tokens"] > 0
     assert [tuple(p.data_ptr() for pool in pair for p in pool) for pair in step.pools] == where
     assert all(getattr(p, "_dynamo_static_input_type", None) is not None
