@@ -13,6 +13,7 @@ found on the host on the CPU) and, on CUDA, one kernel each (``cacheidx::store_r
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any, NamedTuple
@@ -253,6 +254,7 @@ class TorchBackend(Backend):
         import torch
 
         compiler = self.named(compiler)
+        fn = _own_code(fn)
         if compiler != "inductor":
             compiled = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False)
         else:
@@ -399,3 +401,19 @@ def _on_host(*tensors: Any) -> bool:
     import torch
 
     return all(type(x) is torch.Tensor and x.device.type == "cpu" for x in tensors)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` over a code object of its own. Dynamo keeps a function's programs, and counts
+    them against its recompile limit, on the code object: the steps made of one nested
+    function (one per served model) would otherwise share one count across the process, so
+    a step's room for ``programs`` shapes would be spent by other engines' steps (the
+    fullgraph step then fails, FailOnRecompileLimitHit)."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    own.__dict__.update(fn.__dict__)
+    own.__qualname__ = fn.__qualname__
+    return own
