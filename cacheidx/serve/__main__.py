@@ -201,7 +201,6 @@ def main(argv: Sequence[str] | None = None, *, served: Callable[[], Served] = sm
 
 def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
     from .. import backends
-    from ..models.gguf import ModelMissing
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -241,19 +240,9 @@ def _main(argv: Sequence[str] | None, served: Callable[[], Served]) -> int:
         return 2
     t0 = time.perf_counter()
     say("loading the model ...")
-    try:
-        what = served()
-    except (ModelMissing, ImportError) as e:
-        say(str(e))
-        return 2
-    except (OSError, ValueError, TypeError) as e:
-        if args.model is None:
-            raise
-        # no model at the path, one that cannot be read, or one cacheidx cannot serve: said,
-        # on one line, as bad usage (cacheidx's own ValueErrors name what is wrong)
-        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        say(f"cacheidx.serve: cannot serve {args.model}: {' '.join(why.split())}")
-        return 2
+    what = _load(args, served, say)
+    if isinstance(what, int):
+        return what
     lines = read_requests(text.splitlines(), what.template, max_new_tokens=args.max_new_tokens,
                           stop=what.stop, latest=LATEST)
     requests = [line.request for line in lines if line.request is not None]
@@ -374,6 +363,8 @@ def _load(args: argparse.Namespace, served: Callable[[], Served],
     except (OSError, ValueError, TypeError) as e:
         if args.model is None:
             raise
+        # no model at the path, one that cannot be read, or one cacheidx cannot serve: said,
+        # on one line, as bad usage (cacheidx's own ValueErrors name what is wrong)
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         say(f"cacheidx.serve: cannot serve {args.model}: {' '.join(why.split())}")
         return 2
