@@ -17,11 +17,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arguments as arguments
-from . import backends
+from . import backends, pools
 from .devices import to_host
 from .laws import block_of, closes, inside, sees, stands
 from .plan import Plan
-from .quantized import Quantized, parts
 
 __all__ = ["CacheIndex", "Structure", "attends_with"]
 
@@ -180,10 +179,13 @@ class CacheIndex:
         if backend.tracing(self.pos):
             raise arguments.fail("host", "a traced index has no values on the host")
         names, tensors = _leaf_names(self.structure), self.tensors()
+        taken = getattr(_TAKEN, "on", False)  # inside advance(): the known values as they are
         with _HOST:
             known, changed = self._known, self._host is None
             for name, t in zip(names, tensors, strict=True):
                 have = known.get(name)
+                if taken and have is not None:
+                    continue
                 if backend.on_host(t):
                     now = _kept(to_host(t))
                     if have is None or not _same(have, now):
@@ -370,7 +372,19 @@ class CacheIndex:
         if self.backend.tracing(self.pos):
             return nxt
         # the host's values of the next index: its positions worked out here, its tables
-        # the writer's
+        # the writer's; taken as the host knows them, compared with no tensor: the next
+        # index's first call compares its tensors in host memory with them (host()), so a
+        # write behind the library's back is seen there, and a step's advance() costs no pass
+        # over its table (issue 36.2)
+        _TAKEN.on = True
+        try:
+            return self._advanced_host(nxt, table, blocks, host)
+        finally:
+            _TAKEN.on = False
+
+    def _advanced_host(self, nxt: CacheIndex, table: Any, blocks: Any,
+                       host: Sequence[Any] | None) -> CacheIndex:
+        """:meth:`advance`'s host half: ``nxt``'s host values and the plan carried to it."""
         now = self.host()
         nxt._known["tokens.pos"] = np.clip(np.max(now.pos, axis=1, keepdims=True), -1,
                                            None) + 1
@@ -589,7 +603,7 @@ class CacheIndex:
             return self._one_call(CacheIndex._seen_whole_of, values, pool), pool
         donate = bool(donate)
         if donate:
-            for part in parts(pool):
+            for part in pools.parts(pool):
                 arguments.owned("extend", "pool", part)
         return self._one_call(CacheIndex._extend, values, pool, donate, donated=1, static=2)
 
@@ -607,11 +621,7 @@ class CacheIndex:
     def stands_for(self, values: Any, pool: Any) -> Any:
         """``values`` as ``pool`` gives them back: themselves, or their
         :func:`~cacheidx.quantized.roundtrip` through a quantized pool."""
-        if not isinstance(pool, Quantized):
-            return values
-        from .quantized import roundtrip
-
-        return roundtrip(values, pool.bits, scale_dtype=pool.scales.dtype, xp=self.xp)
+        return pools.stands_for(pool, values, self.xp)
 
     def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
                scale: float | None = None, softcap: float | None = None, sinks: Any = None,
@@ -628,26 +638,18 @@ class CacheIndex:
     def validate(self, values: Any, pool: Any, fn: str = "extend",
                       name: str = "values") -> None:
         """Raises naming ``cacheidx.{fn}`` where ``values`` cannot be stored into ``pool``."""
-        quantized = isinstance(pool, Quantized)
-        if quantized:
-            from .quantized import check, values_for
-
-            check(fn, "pool" if fn == "extend" else f"{name}pool", pool, self.backend)
-        for what, x in ((name, values), *(() if quantized else (("pool", pool),))):
-            if not self.backend.same_library(x):
-                raise TypeError(f"cacheidx.{fn}: {what} must be an array of the index's "
-                                f"library ({self.backend.name}), got {type(x).__name__}")
-        if quantized:
-            values_for(fn, name, values, self.xp)
-        elif pool.ndim < 1:
+        kind = pools.kind(pool)
+        if not self.backend.same_library(values):
+            raise TypeError(f"cacheidx.{fn}: {name} must be an array of the index's "
+                            f"library ({self.backend.name}), got {type(values).__name__}")
+        kind.check(fn, "pool" if fn == "extend" else f"{name}pool", pool, self.backend)
+        if pool.ndim < 1:
             raise arguments.fail(fn, "pool must have a slot axis, got a 0-d array")
         want = (self.batch, self.seq, *pool.shape[1:])
         if tuple(values.shape) != want:
             raise arguments.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
                              f"pool's row), got {list(values.shape)}")
-        if not quantized and values.dtype != pool.dtype:
-            raise TypeError(f"cacheidx.{fn}: {name} are {values.dtype} but the pool holds "
-                            f"{pool.dtype}")
+        kind.takes(fn, name, values, pool, self.xp)
 
     def _one_call(self, fn: Callable[..., Any], *args: Any, donated: int | None = None,
                  static: int | None = None) -> Any:
@@ -692,15 +694,11 @@ class CacheIndex:
         backend, xp, n = self.backend, self.xp, int(pool.shape[0])
         plan = self.planned("store", (n,), lambda: backend.store_plan(
             xp.reshape(self._store_slots(), (-1,)), n))
-        if isinstance(pool, Quantized):
-            from .quantized import quantize
-
-            codes, scales = quantize(values, pool.bits, scale_dtype=pool.scales.dtype, xp=xp)
-            return Quantized(*(backend.store(p, plan, xp.reshape(r, (-1, *r.shape[2:])),
-                                             donate=donate)
-                               for p, r in ((pool.codes, codes), (pool.scales, scales))))
-        rows = xp.reshape(values, (-1, *values.shape[2:]))
-        return backend.store(pool, plan, rows, donate=donate)
+        kind = pools.kind(pool)
+        return kind.remade([backend.store(p, plan, xp.reshape(r, (-1, *r.shape[2:])),
+                                          donate=donate)
+                            for p, r in zip(kind.parts(pool), kind.encode(pool, values, xp),
+                                            strict=True)])
 
     def _store_slots(self) -> Any:
         """Law: a token stores at its own column, the slot its table names at the column
@@ -727,12 +725,7 @@ class CacheIndex:
         def read(p: Any) -> Any:
             return xp.reshape(self.backend.read(p, plan), (*shape, *p.shape[1:]))
 
-        if isinstance(pool, Quantized):
-            from .quantized import dequantize
-
-            seen = dequantize(pool.map(read), xp=xp)
-        else:
-            seen = read(pool)
+        seen = pools.decode(pools.map(pool, read), xp)
         if self.draft_slots is None:
             return seen
         seen_by_some = xp.any(self.draft_tail(), axis=1)
@@ -821,6 +814,9 @@ class CacheIndex:
 
 #: one lock for every index's host values (each section under it a few comparisons)
 _HOST = threading.Lock()
+#: set (in this thread) while :meth:`CacheIndex.advance` works out the next index's host values
+#: and plan: :meth:`CacheIndex.host` then takes the values it knows without comparing a tensor
+_TAKEN = threading.local()
 
 
 def _kept(a: np.ndarray) -> np.ndarray:

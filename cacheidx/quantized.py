@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arguments as arguments
+from . import pools
 
 __all__ = ["Quantized", "bound", "dequantize", "floats", "narrowed", "parts", "quantize",
            "roundtrip", "zeros"]
@@ -112,9 +113,8 @@ class Quantized(NamedTuple):
         return Quantized(fn(self.codes), fn(self.scales))
 
 
-def parts(pool: Any) -> tuple[Any, ...]:
-    """The arrays a pool is: itself, or a quantized pool's codes and scales."""
-    return tuple(pool) if isinstance(pool, Quantized) else (pool,)
+#: the arrays a pool is: itself, or a quantized pool's codes and scales
+parts = pools.parts
 
 
 def _packed(codes: Any) -> bool:
@@ -361,3 +361,37 @@ def values_for(fn: str, name: str, values: Any, xp: Any) -> None:
     if not xp.isdtype(values.dtype, "real floating"):
         raise TypeError(f"cacheidx.{fn}: {name} stored into a quantized pool must hold real "
                         f"floats, got {values.dtype}")
+
+
+class _Codes:
+    """The kind of a :class:`Quantized` pool (:class:`cacheidx.pools.Kind`): it stores each
+    row's codes and scale (Q1), a read stands for their product (Q2), folded as ``(floats of
+    the codes, scales)``, and the CPU kernel reads it."""
+
+    name = "quantized"
+    cast = True
+    kernel = True
+
+    def parts(self, pool: Any) -> tuple[Any, ...]:
+        return tuple(pool)
+
+    def remade(self, parts: Any) -> Any:
+        return Quantized(*parts)
+
+    def check(self, fn: str, name: str, pool: Any, backend: Any) -> None:
+        check(fn, name, pool, backend)
+
+    def takes(self, fn: str, name: str, values: Any, pool: Any, xp: Any) -> None:
+        values_for(fn, name, values, xp)
+
+    def encode(self, pool: Any, values: Any, xp: Any) -> tuple[Any, ...]:
+        return quantize(values, pool.bits, scale_dtype=pool.scales.dtype, xp=xp)
+
+    def decode(self, read: Any, xp: Any) -> Any:
+        return dequantize(read, xp=xp)
+
+    def factors(self, read: Any, dtype: Any, xp: Any) -> tuple[Any, Any]:
+        return floats(read.codes, dtype, xp=xp), read.scales
+
+
+pools.register(Quantized, _Codes())

@@ -653,7 +653,8 @@ def test_compiled_attend_is_the_eager_call_in_one_operator(window):
     pools = [part for pool in (kpool, vpool)
              for part in quantized.quantize(pool, 8)]
     torch.library.opcheck(torch.ops.cacheidx.attend,
-                          (*operands(index), q, k, v, pools, None, 0.5, 3.0, None))
+                          (*operands(index, "quantized"), q, k, v, pools, None, 0.5, 3.0,
+                           None))
 
 
 def test_compiled_attend_under_autograd_reads_tiles_and_gives_eagers_gradients():

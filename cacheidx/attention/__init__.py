@@ -46,9 +46,8 @@ import math
 from typing import Any, NamedTuple
 
 from .. import _arguments as arguments
-from .. import backends
+from .. import backends, pools
 from ..index import attends_with
-from ..quantized import Quantized, parts
 from . import runs, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
@@ -181,17 +180,14 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
     elements share memory (a stride of 0, as ``expand`` and ``broadcast_to`` make), into
     which a store would write one row into several slots."""
     backend, xp = index.backend, index.xp
-    named = (("q", q), ("k", k), ("v", v), ("kpool", kpool), ("vpool", vpool))
-    for name, x in named:
-        if not isinstance(x, Quantized) and not backend.same_library(x):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not backend.same_library(x):
             raise TypeError(f"cacheidx.attend: {name} must be an array of the index's library "
                             f"({backend.name}), got {type(x).__name__}")
     for name, pool in (("kpool", kpool), ("vpool", vpool)):
-        if isinstance(pool, Quantized):
-            from ..quantized import check
-
-            check("attend", name, pool, backend)
-        elif pool.ndim != 3:
+        pools.kind(pool).check("attend", name, pool, backend)
+    for name, pool in (("kpool", kpool), ("vpool", vpool)):
+        if pool.ndim != 3:
             raise arguments.fail("attend", f"{name} must be [slots, kv_heads, dim], got shape "
                              f"{list(pool.shape)}")
     if vpool.shape[1] != kpool.shape[1]:
@@ -207,7 +203,7 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
                              "would be stored over the keys; pass a pool of its own for each, "
                              "or donate=False")
         for name, pool in (("kpool", kpool), ("vpool", vpool)):
-            for part in parts(pool):
+            for part in pools.parts(pool):
                 arguments.owned("attend", name, part)
     index.validate(k, kpool, "attend", "k")
     index.validate(v, vpool, "attend", "v")

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from .. import plan as plans
+from .. import pools
 from ..laws import inside
-from ..quantized import Quantized
 from . import runs
 from .softmax import Online
 
@@ -142,15 +142,17 @@ plans.CARRY["share"] = carry
 
 def _reader(index: Any) -> Any:
     """``read(pool, slots, ok)``: the rows of ``pool`` at ``slots`` ``[lanes, T]`` where ``ok``
-    and inside the pool, zero elsewhere (of a quantized pool, its codes and scales each so)."""
+    and inside the pool, zero elsewhere (of a pool of several parts, each so:
+    :func:`cacheidx.pools.map`)."""
     xp = index.xp
 
     def read(pool: Any, slots: Any, ok: Any) -> Any:
-        if isinstance(pool, Quantized):  # its codes and scales, each so
-            return pool.map(lambda part: read(part, slots, ok))
-        got = index.backend.gather(pool, xp.reshape(slots, (-1,)),
-                                   xp.reshape(ok & inside(slots, pool.shape[0]), (-1,)))
-        return xp.reshape(got, (*slots.shape, *pool.shape[1:]))
+        def part(p: Any) -> Any:
+            got = index.backend.gather(p, xp.reshape(slots, (-1,)),
+                                       xp.reshape(ok & inside(slots, p.shape[0]), (-1,)))
+            return xp.reshape(got, (*slots.shape, *p.shape[1:]))
+
+        return pools.map(pool, part)
 
     return read
 

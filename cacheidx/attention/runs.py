@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import plan as plans
+from .. import pools
 from ..laws import inside
-from ..quantized import Quantized
 from . import layout, paths
 from .softmax import Online, group, ungroup
 from .tiles import rows
@@ -497,14 +497,12 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int, pieces: list[_P
     kpool, vpool = call.kpool, call.vpool
 
     def view(pool: Any, s0: int, width: int) -> Any:
-        if isinstance(pool, Quantized):
-            return pool.map(lambda part: view(part, s0, width))
-        return pool[s0:s0 + width, ...][None, ...]
+        return pools.map(pool, lambda part: part[s0:s0 + width, ...][None, ...])
 
-    quantized = isinstance(kpool, Quantized) or isinstance(vpool, Quantized)
+    kinds = pools.kind(kpool), pools.kind(vpool)
+    quantized = kinds[0].cast or kinds[1].cast
     # the CPU kernel reads a run every query sees whole, its codes cast in registers
-    native_ok = (isinstance(kpool, Quantized) and isinstance(vpool, Quantized)
-                 and call.softcap is None)
+    native_ok = kinds[0].kernel and kinds[1].kernel and call.softcap is None
     # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (

@@ -29,12 +29,13 @@ A tile's keys are of one of two kinds, ``keys_of``. ``"lane"``: shared by the la
 each token has keys of its own, ``[batch, seq, T, kv, d]``, scores ``[batch, seq, kv, g, T]``.
 ``g = heads // kv`` query heads share each key-value head (grouped-query attention).
 
-A tile read from quantized pools (:mod:`cacheidx.quantized`) is a :class:`Quantized` of codes
-and scales: its scales are folded into the scores (``z = scale * (q . c) * s_k``) and into the
-weights (``sum_j (p_j s_j) c_j``), as tpu-inference's ragged paged attention folds them, and its
-codes are cast to floats a chunk at a time, so no float copy of a lane's context is made. A
-tile whose product is not finite (a scale of NaN: a row that held one) is weighed carefully
-over its dequantized values.
+A tile is read from pools of any kind (:mod:`cacheidx.pools`) and taken as its kind's
+``factors``: floats and, where the kind has them, one scale per row. A quantized tile's
+(:mod:`cacheidx.quantized`) scales are folded into the scores (``z = scale * (q . c) * s_k``)
+and into the weights (``sum_j (p_j s_j) c_j``), as tpu-inference's ragged paged attention folds
+them, and its codes are cast to floats a chunk at a time, so no float copy of a lane's context
+is made. A tile whose product is not finite (a scale of NaN: a row that held one) is weighed
+carefully over its decoded (dequantized) values.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..quantized import Quantized, dequantize, floats
+from .. import pools
 
 __all__ = ["Online", "group", "reference", "traced", "ungroup", "work_dtype"]
 
@@ -194,20 +195,18 @@ class Online:
         """``cap(scale * q . k)`` of every query against one tile's keys, as ``keys_of`` has them:
         ``[batch, kv, g, seq, T]`` or ``[batch, seq, kv, g, T]``."""
         xp = self.xp
-        if not isinstance(keys, Quantized):
-            keys = _as(xp, keys, self.q.dtype)
+        keys = _floats_as(xp, keys, self.q.dtype)
         if self.keys_of == "lane":
             b, kv, g, s, d = self.q.shape
             qh = xp.reshape(self.q, (b, kv, g * s, d))
             z = xp.concat([self._lane_scores(qh, part) for part in self._chunks(keys)],
                           axis=-1)
             z = xp.reshape(z, (b, kv, g, s, z.shape[-1]))
-        elif isinstance(keys, Quantized):
-            z = self.q @ xp.permute_dims(floats(keys.codes, self.q.dtype, xp=xp),
-                                         (0, 1, 3, 4, 2))
-            z = z * self._folded(keys.scales)
         else:
-            z = self.q @ xp.permute_dims(keys, (0, 1, 3, 4, 2))
+            floats, scales = pools.kind(keys).factors(keys, self.q.dtype, xp)
+            z = self.q @ xp.permute_dims(floats, (0, 1, 3, 4, 2))
+            if scales is not None:
+                z = z * self._folded(scales)
         return _cap(xp, z, self.softcap)
 
     def _folded(self, scales: Any) -> Any:
@@ -222,16 +221,16 @@ class Online:
     def _chunks(self, x: Any) -> list[Any]:
         """``x`` ``[batch, T, ...]`` (or a quantized tile's codes and scales) cut along ``T``
         into :attr:`chunk` columns, or whole."""
-        t = int(x.shape[1]) if not isinstance(x, Quantized) else int(x.codes.shape[1])
+        t = _columns(x)
         if self.chunk is None or t <= self.chunk:
             return [x]
         return [_cut(x, c, c + self.chunk) for c in range(0, t, self.chunk)]
 
     def _lane_scores(self, qh: Any, keys: Any) -> Any:
         xp = self.xp
-        if isinstance(keys, Quantized):
-            return self._lane_scores(qh, floats(keys.codes, qh.dtype, xp=xp)) * self._folded(
-                keys.scales)
+        keys, scales = pools.kind(keys).factors(keys, qh.dtype, xp)
+        if scales is not None:
+            return self._lane_scores(qh, keys) * self._folded(scales)
         if self.products is not None and keys.shape[0] == 1:
             return self.products.scores(qh, keys)
         if keys.shape[0] == 1 or not self.split:  # one lane: its heads are the batch
@@ -253,16 +252,14 @@ class Online:
         top = xp.max(z, axis=-1, keepdims=True)
         if self.m is not None:
             top = xp.maximum(self.m, top)
-        quantized = isinstance(values, Quantized)
         # a query that has seen nothing yet keeps -inf; exp(-inf - 0) is exactly 0
         base = top if not self.masked else xp.where(
             top == -xp.inf, xp.zeros((), dtype=top.dtype), top)
         p = xp.exp(z - base)
         total = xp.sum(p, axis=-1, keepdims=True)
-        if not quantized:
-            values = _as(xp, values, p.dtype)
+        values = _floats_as(xp, values, p.dtype)
         if self.traced is None:
-            self.traced = traced(values.codes if quantized else values)
+            self.traced = traced(pools.parts(values)[0])
         weighed = None if self.traced or not self.host else self._weigh(p, values)
         # IEEE products: a value that is not finite makes its whole column of the product
         # non-finite, whatever it is multiplied by, so a finite product had none to select
@@ -295,8 +292,7 @@ class Online:
         ``0 * inf``), then NaN at each query and kv head that sees a column holding one (a
         quantized tile's values dequantized first: their scales hold the NaN)."""
         xp = self.xp
-        if isinstance(values, Quantized):
-            values = _as(xp, dequantize(values, xp=xp), p.dtype)
+        values = _as(xp, pools.decode(values, xp), p.dtype)
         bad = ~xp.isfinite(values)
         weighed = self._weigh(p, xp.where(bad, xp.zeros((), dtype=values.dtype), values))
         bad = xp.any(bad, axis=-1)  # per column and kv head: [b, T, kv] or [b, s, T, kv]
@@ -320,20 +316,20 @@ class Online:
             ph = xp.reshape(p, (b, kv, g * s, t))
             out, c = None, 0
             for part in self._chunks(values):
-                w = int((part.codes if isinstance(part, Quantized) else part).shape[1])
+                w = _columns(part)
                 got = self._lane_weigh(ph[..., c:c + w], part)
                 out, c = got if out is None else out + got, c + w
             return xp.reshape(out, (b, kv, g, s, self.dv))
-        if isinstance(values, Quantized):
-            return (p * self._folded(values.scales)) @ xp.permute_dims(
-                floats(values.codes, p.dtype, xp=xp), (0, 1, 3, 2, 4))
+        values, scales = pools.kind(values).factors(values, p.dtype, xp)
+        if scales is not None:
+            p = p * self._folded(scales)
         return p @ xp.permute_dims(values, (0, 1, 3, 2, 4))
 
     def _lane_weigh(self, ph: Any, values: Any) -> Any:
         xp = self.xp
-        if isinstance(values, Quantized):
-            return self._lane_weigh(ph * self._folded(values.scales),
-                                    floats(values.codes, ph.dtype, xp=xp))
+        values, scales = pools.kind(values).factors(values, ph.dtype, xp)
+        if scales is not None:
+            return self._lane_weigh(ph * self._folded(scales), values)
         if self.products is not None and values.shape[0] == 1:
             return self.products.weigh(ph, values)
         if values.shape[0] == 1 or not self.split:
@@ -371,10 +367,19 @@ class Online:
 
 
 def _cut(x: Any, c0: int, c1: int) -> Any:
-    """Columns ``c0:c1`` of a tile's keys or values ``[batch, T, ...]``, quantized or not."""
-    if isinstance(x, Quantized):
-        return x.map(lambda a: a[:, c0:c1, ...])
-    return x[:, c0:c1, ...]
+    """Columns ``c0:c1`` of a tile's keys or values ``[batch, T, ...]``, of any kind of pool."""
+    return pools.map(x, lambda a: a[:, c0:c1, ...])
+
+
+def _floats_as(xp: Any, x: Any, dtype: Any) -> Any:
+    """A tile of floats in ``dtype``, cast once for the whole tile; a tile of codes as it is
+    (a product casts them a chunk at a time: the kind's ``cast``)."""
+    return x if pools.kind(x).cast else pools.map(x, lambda a: _as(xp, a, dtype))
+
+
+def _columns(x: Any) -> int:
+    """The columns ``T`` of a tile's keys or values ``[batch, T, ...]`` (each part's axis 1)."""
+    return int(pools.parts(x)[0].shape[1])
 
 
 def _finite(xp: Any, x: Any) -> bool:

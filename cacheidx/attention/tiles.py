@@ -21,15 +21,16 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from .. import pools
 from ..laws import inside
-from ..quantized import Quantized
 
 __all__ = ["Tile", "draft", "read", "rows"]
 
 
 class Tile(NamedTuple):
     #: [batch, T, kv, d] (shared by a lane's tokens) or [batch, seq, T, kv, d]; read from a
-    #: quantized pool, a :class:`~cacheidx.quantized.Quantized` of its codes and scales
+    #: pool of several parts (:mod:`cacheidx.pools`: a quantized one's codes and scales), a
+    #: pool of its kind over each part's rows
     keys: Any
     values: Any
     mask: Any  #: [batch, seq, T], or None where every token sees every column
@@ -64,10 +65,10 @@ def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
 
 def rows(index: Any, pool: Any, read: Any, shape: tuple[int, ...]) -> Any:
     """The rows of ``pool`` the backend's read plan ``read`` reads, ``[*shape, ...]`` (of a
-    quantized pool, its codes and scales, each so)."""
-    if isinstance(pool, Quantized):
-        return pool.map(lambda part: rows(index, part, read, shape))
-    return index.xp.reshape(index.backend.read(pool, read), (*shape, *pool.shape[1:]))
+    pool of several parts, each so: :func:`cacheidx.pools.map`)."""
+    xp, backend = index.xp, index.backend
+    return pools.map(pool, lambda part: xp.reshape(backend.read(part, read),
+                                                   (*shape, *part.shape[1:])))
 
 
 def _rows(index: Any, pool: Any, plan: _Plan) -> Any:

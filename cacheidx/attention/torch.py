@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .. import pools
 from ..plan import Recent
-from ..quantized import Quantized, parts
 from . import layout, paged
 
 __all__ = ["HeadMajor", "TorchPath", "operands"]
@@ -45,18 +45,19 @@ class TorchPath:
             # the operator plans its reads on the host, which a CUDA graph cannot capture
             # (the engine replays its steps as ones): on a GPU the traced tiles stay
             return None
-        arrays = [a for a in (call.q, call.k, call.v, *parts(call.kpool), *parts(call.vpool),
-                              call.sinks) if a is not None]
+        arrays = [a for a in (call.q, call.k, call.v, *pools.parts(call.kpool),
+                              *pools.parts(call.vpool), call.sinks) if a is not None]
         if torch.is_grad_enabled() and any(a.requires_grad for a in arrays):
             return None
         kpool, vpool = call.kpool, call.vpool
-        if isinstance(kpool, Quantized) != isinstance(vpool, Quantized):
+        kind = pools.kind(kpool)
+        if pools.kind(vpool) is not kind:
             return None  # one pool quantized, the other not: the traced tiles
         if not call.donate:  # the caller keeps its pools: the operator stores into copies
-            kpool, vpool = _clone(kpool), _clone(vpool)
-        pools = [*parts(kpool), *parts(vpool)]
-        out = torch.ops.cacheidx.attend(*operands(index), call.q, call.k, call.v, pools,
-                                        call.sinks, call.scale, call.softcap, call.tile)
+            kpool, vpool = pools.map(kpool, torch.clone), pools.map(vpool, torch.clone)
+        parts = [*pools.parts(kpool), *pools.parts(vpool)]
+        out = torch.ops.cacheidx.attend(*operands(index, kind.name), call.q, call.k, call.v,
+                                        parts, call.sinks, call.scale, call.softcap, call.tile)
         return out, kpool, vpool
 
     def layout(self, pool: Tensor) -> str:
@@ -107,13 +108,14 @@ class HeadMajor(NamedTuple):
                             for h in range(v.shape[1])])[None]
 
 
-def operands(index: Any) -> tuple[str, list[int], int, int, list[Tensor]]:
-    """``index`` as the operator's first arguments: its structure's constant part as a string
-    (the only static value an operator takes beside numbers), its numbers as ints (under
-    ``dynamic=True`` they may be symbolic; the operator sees them concrete), its tensors."""
+def operands(index: Any, kind: str = "floats") -> tuple[str, list[int], int, int, list[Tensor]]:
+    """``index`` as the operator's first arguments: its structure's constant part and the
+    name of its pools' kind (:func:`cacheidx.pools.named`) as a string (the only static value
+    an operator takes beside numbers), its numbers as ints (under ``dynamic=True`` they may be
+    symbolic; the operator sees them concrete), its tensors."""
     s = index.structure
-    return (_encode(s), list(s.blocks), s.every, -1 if s.window is None else s.window,
-            list(index.tensors()))
+    return (f"{_encode(s)};{kind}", list(s.blocks), s.every,
+            -1 if s.window is None else s.window, list(index.tensors()))
 
 
 def _encode(structure: Any) -> str:
@@ -129,16 +131,16 @@ def _decode(text: str, blocks: list[int], every: int, window: int) -> Any:
                      None if window == -1 else int(window), columns == "1", draft == "1")
 
 
-def _clone(pool: Any) -> Any:
-    return pool.map(torch.clone) if isinstance(pool, Quantized) else pool.clone()
+#: a pool's parts (the operator's argument ``pools`` hides the module's name)
+_parts = pools.parts
 
 
-def _pair(pools: list[Tensor]) -> tuple[Any, Any]:
-    """The operator's ``pools`` as ``(kpool, vpool)``: two float pools, or the codes and scales
-    of two quantized ones."""
-    if len(pools) == 2:
-        return pools[0], pools[1]
-    return Quantized(pools[0], pools[1]), Quantized(pools[2], pools[3])
+def _pair(kind: str, parts: list[Tensor]) -> tuple[Any, Any]:
+    """The operator's ``pools`` as ``(kpool, vpool)``, two pools of the kind named ``kind``
+    (:func:`cacheidx.pools.named`), each half of the parts: two float pools, or the codes
+    and scales of two quantized ones."""
+    of, half = pools.named(kind), len(parts) // 2
+    return of.remade(parts[:half]), of.remade(parts[half:])
 
 
 @torch.library.custom_op("cacheidx::attend", mutates_args=("pools",))
@@ -151,14 +153,15 @@ def _attend(structure: str, blocks: list[int], every: int, window: int, leaves: 
     schema needs ``Optional`` spelled out)."""
     from . import attend
 
+    structure, kind = structure.rsplit(";", 1)
     index = _index(_decode(structure, blocks, every, window), leaves)
-    kpool, vpool = _pair(pools)
+    kpool, vpool = _pair(kind, pools)
     # no input wants a gradient (else the tiles compute the call): it attends as an eager
     # serving step does, under inference mode (the backend's products then take oneDNN)
     with torch.inference_mode():
         out, kept, vkept = attend(index, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
                                   sinks=sinks, donate=True, tile=tile)
-        for pool, got in zip(pools, [*parts(kept), *parts(vkept)], strict=True):
+        for pool, got in zip(pools, [*_parts(kept), *_parts(vkept)], strict=True):
             if got is not pool:  # stored into a copy after all: the operator's are the pools
                 pool.copy_(got)
     # a tensor of its own, outside inference mode, with the fake's strides: the compiled
@@ -182,4 +185,4 @@ def _index(structure: Any, leaves: list[Tensor]) -> Any:
 
 @_attend.register_fake
 def _(structure, blocks, every, window, leaves, q, k, v, pools, sinks, scale, softcap, tile):
-    return q.new_empty((*q.shape[:3], _pair(pools)[1].shape[-1]))
+    return q.new_empty((*q.shape[:3], _pair(structure.rsplit(";", 1)[1], pools)[1].shape[-1]))
