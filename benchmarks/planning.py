@@ -12,6 +12,19 @@ the table then put on the device again with its host copy) and each step's index
 one's ``advance(table=, host=)`` (carried), against a fresh ``ci.make`` over the same table
 each step (anew), each with the host values declared where the code has them (issue 36). With
 ``--native-off`` the CPU kernel is kept out, so that the core's runs plan is timed.
+
+``--serve`` times the engine itself: :class:`cacheidx.serve.Engine` serving ``--lanes``
+requests of about ``--context`` prompt tokens each (lane ``b``'s ``3 b`` fewer, so that the
+lanes reach their pages on different steps), ``--repeat`` tokens each, through a model of two
+attention layers of one head of one element (what a step reads costs next to nothing, so that
+its time is its plan's), on ``--backend``. Host planning per decode step is the time from the
+step's start (:meth:`cacheidx.serve.step.Step.run`: the scheduler's batch in hand) to the end
+of its first layer's call, less its second layer's call (the same index, its plan kept: a
+layer's own work), in the thread's CPU time (``time.thread_time``: another job's time on a
+loaded machine is not counted; one thread computes it all). ``carried`` is the engine as it
+is; ``anew`` every decode call's index made afresh (``ci.make``, as the engine made it before
+it carried its plan). It also counts the plan's read parts made on the steps where no lane
+joined, left or reached a page.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -79,6 +93,92 @@ def engine(lanes: int, context: int, repeat: int) -> dict[str, list[float]]:
     return out
 
 
+class _PlanningModel:
+    """Two attention layers of one kv head of one element over ``index``, the first and
+    second call timed (``self.calls``): a model whose step costs its plan and little else."""
+
+    vocab = 64
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float, float]] = []
+
+    def place(self, xp, device):
+        return {"xp": xp, "device": device}
+
+    def pools(self, weights, slots, kv=None):
+        xp, device = weights["xp"], weights["device"]
+        return [tuple(xp.zeros((slots, 1, 1), dtype=xp.float32, device=device)
+                      for _ in range(2))]
+
+    def forward(self, weights, tokens, index, pools):
+        xp, device = weights["xp"], weights["device"]
+        b, s = tokens.shape
+        q = xp.ones((b, s, 1, 1), dtype=xp.float32, device=device)
+        (kpool, vpool), = pools
+        t0 = time.thread_time()
+        _, kpool, vpool = index.attend(q, q, q, kpool, vpool, donate=True)
+        t1 = time.thread_time()
+        _, kpool, vpool = index.attend(q, q, q, kpool, vpool, donate=True)
+        t2 = time.thread_time()
+        self.calls.append((t0, t1, t2))
+        return xp.zeros((b, self.vocab), dtype=xp.float32, device=device), [(kpool, vpool)]
+
+
+def serve(lanes: int, context: int, repeat: int, backend: str = "numpy",
+          page_size: int = 16) -> dict[str, Any]:
+    """Seconds of host planning in each engine decode step, carried (the engine as it is: the
+    first ``repeat`` decode steps) then made anew (every decode call's index a fresh
+    ``ci.make``: the next ``repeat``), in one engine (its prompts computed once), and the read
+    parts made on steady steps (no lane joined, left or reached a page), each way."""
+    from cacheidx.plan import Plan
+    from cacheidx.serve import Engine, Request
+    from cacheidx.serve.step import Step
+
+    model, steps, parts = _PlanningModel(), [], [0]
+    run, part = Step.run, Plan.part
+
+    def timed(self, batch, *args, **kwargs):
+        anew = batch.kind == "decode" and sum(s[0] == "decode" for s in steps) > repeat
+        if anew:
+            self._fed = None
+        quiet = batch.kind == "decode" and batch.follows and not np.any(
+            batch.pos % page_size == 0)
+        before, start = parts[0], time.thread_time()
+        got = run(self, batch, *args, **kwargs)
+        steps.append((batch.kind, "anew" if anew else "carried", start, len(model.calls) - 1,
+                      quiet, parts[0] - before))
+        return got
+
+    def counted(self, kind, key, make, keep=None):
+        def making():
+            value = make()
+            if kind != "store":  # a step's own slots: made every step by nature
+                parts[0] += 1
+            return value
+        return part(self, kind, key, making, keep)
+
+    Step.run, Plan.part = timed, counted
+    try:
+        engine = Engine(model, backend=backend, page_size=page_size, lanes=lanes,
+                        pages=lanes * (-(-(context + 2 * repeat) // page_size) + 1) + 8,
+                        chunk=min(4096, context), clock="steps", cache=False)
+        engine.run([Request(b, [1] * (context - 3 * b), 2 * repeat + 2) for b in range(lanes)])
+    finally:
+        Step.run, Plan.part = run, part
+    out: dict[str, Any] = {"carried": [], "anew": [], "parts": {"carried": [0, 0],
+                                                                 "anew": [0, 0]}}
+    decode = [s for s in steps if s[0] == "decode"]
+    for k, (_, way, start, call, quiet, made) in enumerate(decode):
+        if k in (0, repeat + 1):  # each way's first step warms up (anew: it starts over)
+            continue
+        t0, t1, t2 = model.calls[call]
+        out[way].append((t1 - start) - (t2 - t1))
+        if quiet:
+            out["parts"][way][0] += made
+            out["parts"][way][1] += 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lanes", type=int, default=8)
@@ -86,7 +186,31 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--engine", action="store_true")
     ap.add_argument("--native-off", action="store_true")
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--backend", default="numpy")
     a = ap.parse_args()
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    if a.serve:
+        import contextlib
+
+        from cacheidx.attention import native
+
+        with native.off() if a.native_off else contextlib.nullcontext():
+            found = serve(a.lanes, a.context, a.repeat, a.backend)
+        for name in ("carried", "anew"):
+            ms = sorted(1e3 * x for x in found[name])
+            made, steps = found["parts"][name]
+            print(f"{a.backend} {a.lanes} x {a.context} engine planning {name:>8}: median "
+                  f"{statistics.median(ms):.3f} ms, min {ms[0]:.3f}, quartiles "
+                  f"{statistics.quantiles(ms, n=4)[0]:.3f} to "
+                  f"{statistics.quantiles(ms, n=4)[2]:.3f} ({len(ms)} steps); read parts "
+                  f"made on {steps} steady steps: {made}")
+        return
     if a.engine:
         import contextlib
 
