@@ -186,7 +186,7 @@ def rows_for(model, config, params, bw: float, prefix: int, lanes: int, steps: i
 def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
     """A batch whose lanes share nothing, its plan looking for shared prefixes and not: whole
     steps, and the plan alone (what looking adds, measured without the steps' noise)."""
-    from cacheidx.attention import runs
+    from cacheidx.attention import runplan
 
     layers, first = caches(config, lanes, prefix, seed=2)
     got = {}
@@ -212,7 +212,7 @@ def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
         best = float("inf")
         for _ in range(20):
             t0 = time.perf_counter()
-            runs._plan(index, slots, SCORES, heads, None, look)
+            runplan.plan(index, slots, SCORES, heads, None, look)
             best = min(best, time.perf_counter() - t0)
         plan[look] = best
     say(f"nothing shared, {lanes} lanes of {prefix}: looking {1e3 * on:.2f} ms, not "

@@ -19,8 +19,8 @@ from strategies import build, cases
 
 import cacheidx as ci
 from cacheidx import attention
+from cacheidx.attention import runplan, tiles
 from cacheidx.attention import runs as runs_module
-from cacheidx.attention import tiles
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 law = settings(max_examples=300 if CI else 100, deadline=None,
@@ -148,15 +148,15 @@ def test_a_long_prefill_holds_one_tile_of_scores_at_a_time():
     k = rng.standard_normal((1, n, KV, 16), dtype=np.float32)
     kpool = np.zeros((n, KV, 16), np.float32)
     for viewed in (True, False):  # runs of slots as views, then the gathered tiles
-        old = runs_module.MOST_RUNS
-        runs_module.MOST_RUNS = old if viewed else -1
+        old = runplan.MOST_RUNS
+        runplan.MOST_RUNS = old if viewed else -1
         try:
             tracemalloc.start()
             out, _, _ = index.attend(q, k, k, kpool, kpool.copy(), tile=64)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-            runs_module.MOST_RUNS = old
+            runplan.MOST_RUNS = old
         scores = heads * n * n * 4
         assert peak < scores / 4, f"peak {peak / 2**20:.1f} MB, scores {scores / 2**20:.0f} MB"
         assert np.isfinite(out).all()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cacheidx as ci
-from cacheidx.attention import runs
+from cacheidx.attention import runplan
 from cacheidx.conformance import LAWS, model
 from cacheidx.conformance.precision import GROWTH, Precision
 from cacheidx.conformance.runner import run_job
@@ -71,7 +71,7 @@ def one_wrong_slot(monkeypatch):
     (which walks the table itself) are left out."""
     from cacheidx.attention import native
 
-    monkeypatch.setattr(runs, "MOST_RUNS", -1)
+    monkeypatch.setattr(runplan, "MOST_RUNS", -1)
     monkeypatch.setattr(native, "paged", lambda *args: None)
     cls = type(ci.backends.get("numpy"))
     plan = cls.read_plan

@@ -37,7 +37,7 @@ import numpy as np
 from .. import plan as plans
 from .. import pools
 from ..laws import inside
-from . import runs
+from . import runplan
 from .softmax import Online
 
 __all__ = ["JaxPath", "sharing"]
@@ -84,11 +84,11 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     on_host = index.host()  # the host's values: nothing read back (cacheidx.plan's law)
     table = on_host.lane_table
     width = int(table.shape[1])
-    if index.seq > runs.ROWS or index.batch * index.seq * width > runs.WHOLE:
+    if index.seq > runplan.ROWS or index.batch * index.seq * width > runplan.WHOLE:
         return ()  # as runs' plan: the host never holds a larger mask
     whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
-    found = runs.prefixes(table, on_host.seen_by_some(), whole, n, index.seq, heads, SCORES,
-                         tile)
+    found = runplan.prefixes(table, on_host.seen_by_some(), whole, n, index.seq, heads,
+                             SCORES, tile)
     return tuple((g.lanes, rounded(g.width)) for g in found)
 
 
@@ -107,9 +107,9 @@ def _share(call: Any) -> Share:
     the pools differ in size."""
     index, kpool, vpool = call.index, call.kpool, call.vpool
     n = int(kpool.shape[0])
-    if (not runs.shares() or index.kind != "tabled" or index.columns is not None
-            or int(vpool.shape[0]) != n or index.seq > runs.ROWS
-            or int(index.columns_table.shape[1]) < runs.SHARED):
+    if (not runplan.shares() or index.kind != "tabled" or index.columns is not None
+            or int(vpool.shape[0]) != n or index.seq > runplan.ROWS
+            or int(index.columns_table.shape[1]) < runplan.SHARED):
         return ()
     index.follow()  # the plan of these values (every eager numpy or torch call asks it too)
     heads = int(call.q.shape[2])
