@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import masks
 from .index import CacheIndex
 from .laws import inside, sees, stands
 
@@ -47,7 +48,8 @@ def mask_mod(index: CacheIndex) -> Callable[[Any, Any, Any, Any], Any]:
     if index.columns is not None:
         raise ValueError("cacheidx.flex.mask_mod: the index selects columns, so each token "
                          "has keys of its own; attend over them with mask() instead")
-    t = index.valid_positions  # [batch, seq]: positions, -1 for padding (padding sees nothing)
+    # [batch, seq]: positions, -1 for padding (padding sees nothing)
+    t = masks.valid_positions(index)
     seq, context, w, m = index.seq, index.context, index.window_size, index.block
 
     def token(q: Any) -> Any:

@@ -4,12 +4,20 @@ positions of its sequence.
 The cases are one ``kind`` (``"whole"``, ``"packed"``, ``"tabled"``) plus optional parts: a
 window, the block size read (``every``), a selection and a draft. Each operation branches
 once on them, near the top; the laws themselves live in :mod:`cacheidx.laws`.
+
+The index holds its fields, its structure, the indices derived from it (``window``,
+``select``, ``draft``, ``every``, ``advance``), its positions and the host's values of its
+tensors; what it computes lives in modules of their own, which take an index: what each token
+sees in :mod:`cacheidx.masks`, where a call's rows are stored and read in
+:mod:`cacheidx.storage`, what a call is given checked in :mod:`cacheidx.validation`, the
+pytree in :mod:`cacheidx.pytree`, a pool's kind in :mod:`cacheidx.pools`, and attention in
+:func:`cacheidx.attention.attend`. ``mask``, ``visible``, ``extend`` and ``attend`` are the
+API's facades over them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -17,22 +25,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arguments as arguments
-from . import backends, pools
+from . import backends, masks, pools, pytree, storage, validation
 from .devices import to_host
-from .laws import block_of, closes, inside, sees, stands
+from .laws import inside
 from .plan import Plan
 
-__all__ = ["CacheIndex", "Structure", "attends_with"]
-
-#: the implementation of :meth:`CacheIndex.attend`, set by the attention layer above
-_ATTENTION: list[Callable[..., Any]] = []
-
-
-def attends_with(fn: Callable[..., Any]) -> None:
-    """Make ``fn(index, q, k, v, kpool, vpool, **options)`` what :meth:`CacheIndex.attend`
-    calls: :mod:`cacheidx.attention` registers itself so when imported (``import cacheidx``
-    does), as the index must not import the layer above it."""
-    _ATTENTION[:] = [fn]
+__all__ = ["CacheIndex", "Structure"]
 
 
 class Structure(NamedTuple):
@@ -104,7 +102,7 @@ class CacheIndex:
         """The number of columns a token's mask runs over without a selection."""
         if self.kind != "tabled":
             return -(-self.seq // self.block)
-        width = int(self.columns_table.shape[1])
+        width = int(storage.columns_table(self).shape[1])
         return width + self.seq if self.draft_slots is not None else width
 
     @property
@@ -126,7 +124,7 @@ class CacheIndex:
     def tensors(self) -> list[Any]:
         """The index's tensors, in the spec's walk order: row, positions, table, tables of
         blocks, selection, draft slots, draft sees (each where present)."""
-        return _flatten(self)[0]
+        return pytree.leaves(self)
 
     @classmethod
     def rebuild(cls, structure: Structure, tensors: Any, *, backend: Any = None,
@@ -136,10 +134,10 @@ class CacheIndex:
         tensors' library's adapter, found from them when ``None``. ``plan``: a :class:`Plan`
         the index keeps (shared with the index it came from; it follows the values, so a plan
         of other values is only ever remade, never misread)."""
-        index = _unflatten((structure, backend), tensors)
+        index = cls(**pytree.fields(structure, tensors), backend=backend)
         if plan is not None:
             object.__setattr__(index, "plan", plan)
-            values, names = plan.values, _leaf_names(structure)
+            values, names = plan.values, pytree.leaf_names(structure)
             if values is not None and len(values) == len(names):
                 # candidates only where they are compared (:meth:`host`): a plan handed out
                 # for other values is then made anew, never misread
@@ -178,7 +176,7 @@ class CacheIndex:
         backend = self.backend
         if backend.tracing(self.pos):
             raise arguments.fail("host", "a traced index has no values on the host")
-        names, tensors = _leaf_names(self.structure), self.tensors()
+        names, tensors = pytree.leaf_names(self.structure), self.tensors()
         taken = getattr(_TAKEN, "on", False)  # inside advance(): the known values as they are
         with _HOST:
             known, changed = self._known, self._host is None
@@ -209,7 +207,7 @@ class CacheIndex:
         ``values``: the caller writes no more into them. Returns the index.
 
         Raises if ``values`` does not hold one array of each tensor's shape."""
-        names, tensors = _leaf_names(self.structure), self.tensors()
+        names, tensors = pytree.leaf_names(self.structure), self.tensors()
         values = list(values)
         if len(values) != len(tensors):
             raise arguments.fail("refilled", f"the index has {len(tensors)} tensors "
@@ -232,8 +230,8 @@ class CacheIndex:
         nxt = dataclasses.replace(self, **changes)
         known = self._known
         if known:
-            mine = dict(zip(_leaf_names(self.structure), self.tensors(), strict=True))
-            for name, t in zip(_leaf_names(nxt.structure), nxt.tensors(), strict=True):
+            mine = dict(zip(pytree.leaf_names(self.structure), self.tensors(), strict=True))
+            for name, t in zip(pytree.leaf_names(nxt.structure), nxt.tensors(), strict=True):
                 if name in known and mine.get(name) is t:
                     nxt._known[name] = known[name]
         return nxt
@@ -361,7 +359,7 @@ class CacheIndex:
             raise arguments.fail("advance", "host gives the values of a new table: give "
                                  "table= too")
         if table is not None:
-            self._check_next_table(table, blocks)
+            validation.next_table(self, table, blocks)
         xp = self.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
         nxt = self._derived(pos=xp.clip(last, -1, None) + 1, columns=None,
@@ -410,31 +408,6 @@ class CacheIndex:
         object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
         return nxt
 
-    def _check_next_table(self, table: Any, blocks: Any = None) -> None:
-        """Raises naming ``cacheidx.advance`` where ``table`` (and ``blocks``) cannot replace
-        the index's."""
-        given = [("table", table, self.table)]
-        if self.blocks or blocks is not None:
-            blocks = list(blocks) if blocks is not None else []
-            if len(blocks) != len(self.blocks):
-                raise arguments.fail("advance", "the index reads tables of blocks of "
-                                     f"{[m for m, _ in self.blocks]} positions, which a new "
-                                     f"table would not follow: give blocks= ({len(blocks)} "
-                                     "given), one for each")
-            given += [(f"the table of blocks of {m}", b, old)
-                      for (m, old), b in zip(self.blocks, blocks)]
-        rows = int(self.table.shape[0])
-        for name, new, old in given:
-            if not self.backend.same_library(new):
-                raise TypeError(f"cacheidx.advance: {name} must be an array of the index's "
-                                f"library ({self.backend.name}), got {type(new).__name__}")
-            arguments.array("advance", name, new, self.xp, (rows, None))
-            if new.dtype != old.dtype:
-                raise TypeError(f"cacheidx.advance: {name} holds {new.dtype} but the index's "
-                                f"{old.dtype}")
-        arguments.one_device("advance", [("the index's table", self.table),
-                                         *((name, new) for name, new, _ in given)])
-
     def to_device(self, device: Any) -> CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
@@ -452,7 +425,7 @@ class CacheIndex:
 
     def _positions(self) -> Any:
         last = self.seq if self.table is None else int(self.table.shape[1])
-        return _clamp(self.xp, self.pos, 0, last - 1)
+        return masks.clamp(self.xp, self.pos, 0, last - 1)
 
     @property
     def valid(self) -> Any:
@@ -463,121 +436,19 @@ class CacheIndex:
             ok = ok & inside(self.row, int(self.table.shape[0]))[:, None]
         return ok
 
-    @property
-    def valid_positions(self) -> Any:
-        """Positions with padding at -1, for reductions over a lane."""
-        return self.xp.where(self.valid, self.pos, -1)
-
-    @property
-    def _last(self) -> Any:
-        """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
-        return self.xp.max(self.valid_positions, axis=1, keepdims=True)
-
-    @property
-    def _window(self) -> int | None:
-        """The window, at most the index dtype's largest value: a wider one sees as far."""
-        w = self.window_size
-        return w if w is None else min(w, int(self.xp.iinfo(self.pos.dtype).max))
-
-    @property
-    def _largest(self) -> int:
-        """The index dtype's largest value: the sentinel of a lane with no such token (a Python
-        number, which every operation takes in the index's dtype)."""
-        return int(self.xp.iinfo(self.pos.dtype).max)
-
-    @property
-    def _least(self) -> Any:
-        """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets
-        the dtype's largest value, which no column stands before."""
-        return self.xp.min(self.xp.where(self.valid, self.pos, self._largest), axis=1,
-                           keepdims=True)
-
-    def arange(self, n: int) -> Any:
-        return self.xp.arange(n, dtype=self.pos.dtype, device=self.device)
-
-    # -- tables -----------------------------------------------------------------------------
-    @property
-    def columns_table(self) -> Any:
-        """The table whose columns the index reads: positions', or blocks' under ``every``."""
-        return self.table if self.block == 1 else dict(self.blocks)[self.block]
-
-    @property
-    def lane_table(self) -> Any:
-        """[batch, width]: each lane's row of the table it reads; a lane of padding reads the
-        table's row 0, which its invalid tokens never use."""
-        table = self.columns_table
-        if self.row is None:
-            return table
-        xp = self.xp
-        rows = int(table.shape[0])
-        safe = xp.where(inside(self.row, rows), self.row, 0)
-        return self.backend.take(table, safe)
-
-    def lane_lookup(self, table: Any, cols: Any, ok: Any) -> Any:
-        """``table[b, cols[b, ...]]`` where ``ok``, -1 elsewhere (lane-wise gather, flat)."""
-        xp = self.xp
-        width = int(table.shape[1])
-        lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (cols.ndim - 1))
-        flat = lane * width + xp.where(ok, cols, 0)
-        got = self.backend.take(xp.reshape(table, (-1,)), xp.reshape(flat, (-1,)))
-        got = xp.reshape(got, cols.shape)
-        return xp.where(ok, got, -1)
-
     # -- what each token sees: mask -----------------------------------------------------------
     def mask(self) -> Any:
         """Which columns of ``extend``'s seen each token sees: ``[batch, seq, context]``, or
         ``[batch, seq, k]`` under a selection. A token sees the columns standing at or before
         its position, under a window only the last ``w`` of them; a padded token sees none."""
-        return self._one_call(CacheIndex._mask)
-
-    def _mask(self) -> Any:
-        if self.draft_slots is not None:
-            j = self.arange(int(self.table.shape[1]))[None, None, :]
-            return self.xp.concat([self.draft_sees_table(j), self.draft_tail()], axis=2)
-        if self.columns is not None:
-            return self.sees_columns(self.columns)
-        cols = self.arange(self.context)[None, None, :]
-        return self.sees_columns(cols)
+        return self._one_call(masks.mask)
 
     def visible(self) -> Any:
         """``mask`` broadcastable to attention's ``[batch, heads, seq, context]``."""
         return self._one_call(CacheIndex._visible)
 
     def _visible(self) -> Any:
-        return self._mask()[:, None, ...]
-
-    def sees_columns(self, cols: Any) -> Any:
-        """[batch, seq, k]: whether token ``i`` of lane ``b`` sees column ``cols[b, i, k]``
-        (``cols`` broadcasts against ``[batch, seq, k]``). A column outside the context is
-        seen by no one."""
-        xp = self.xp
-        t = self.pos[:, :, None]
-        ok = self.valid[:, :, None] & inside(cols, self.context)
-        if self.kind == "tabled" or self.block != 1:
-            ok = ok & sees(stands(cols, self.block), t, self._window)
-            if self.kind != "tabled":  # a whole lane closes the blocks up to its last token
-                ok = ok & (stands(cols, self.block) <= self._last[:, :, None])
-            return ok
-        # whole and packed: column j is token j of the lane, seen from the same sequence
-        cols = xp.broadcast_to(cols, ok.shape)
-        p = self.lane_lookup(self.pos, cols, ok)
-        i = self.arange(self.seq)[None, :, None]
-        same = (cols - p) == (i - t)
-        return ok & (p >= 0) & same & sees(p, t, self._window)
-
-    def draft_sees_table(self, j: Any) -> Any:
-        """[batch, seq, k]: under a draft, whether a token sees the table's column ``j``
-        (broadcasting against ``[batch, seq, k]``): one before its lane's least position, at or
-        before its own and within the window."""
-        valid, t, w = self.valid, self.pos, self._window
-        return valid[:, :, None] & (j < self._least[:, :, None]) & sees(j, t[:, :, None], w)
-
-    def draft_tail(self) -> Any:
-        """[batch, seq, seq]: token ``i`` sees the call's token ``j`` where the draft says so,
-        at or before its position and within the window."""
-        valid, t = self.valid, self.pos
-        return (valid[:, :, None] & valid[:, None, :] & self.draft_sees
-                & sees(t[:, None, :], t[:, :, None], self._window))
+        return masks.mask(self)[:, None, ...]
 
     # -- pools: extend ------------------------------------------------------------------------
     def extend(self, values: Any, pool: Any, *, donate: bool = False) -> tuple[Any, Any]:
@@ -597,7 +468,7 @@ class CacheIndex:
         (:func:`~cacheidx.quantized.quantize`) and ``seen`` holds what they stand for, in
         float32: the call as through a float pool holding its values'
         :func:`~cacheidx.quantized.roundtrip` (:mod:`cacheidx.quantized`'s laws)."""
-        self.validate(values, pool)
+        validation.values(self, values, pool)
         if self.kind != "tabled":
             # a whole index stores nothing: pool' is the pool given, never a program's copy
             return self._one_call(CacheIndex._seen_whole_of, values, pool), pool
@@ -609,19 +480,14 @@ class CacheIndex:
 
     def _seen_whole_of(self, values: Any, pool: Any) -> Any:
         """A whole or packed index's seen (``pool`` gives only its kind: float or quantized)."""
-        return self.seen_whole(self.stands_for(values, pool))
+        return storage.seen_whole(self, pools.stands_for(pool, values, self.xp))
 
     def _extend(self, values: Any, pool: Any, donate: bool) -> tuple[Any, Any]:
         self.follow()
-        pool = self.store(values, pool, donate)
+        pool = storage.store(self, values, pool, donate)
         # the call's own values are read only under a draft (its tail of columns)
-        return self._read(pool, values if self.draft_slots is None
-                          else self.stands_for(values, pool)), pool
-
-    def stands_for(self, values: Any, pool: Any) -> Any:
-        """``values`` as ``pool`` gives them back: themselves, or their
-        :func:`~cacheidx.quantized.roundtrip` through a quantized pool."""
-        return pools.stands_for(pool, values, self.xp)
+        return storage.read(self, pool, values if self.draft_slots is None
+                            else pools.stands_for(pool, values, self.xp)), pool
 
     def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
                scale: float | None = None, softcap: float | None = None, sinks: Any = None,
@@ -631,25 +497,16 @@ class CacheIndex:
         ``q`` ``[batch, seq, heads, d]`` over ``extend``'s seen under ``visible``, read from
         the pools where they are, ``tile`` columns at a time (``None``: chosen from the
         call's shape), never a lane's whole context at once. See :mod:`cacheidx.attention`
-        for the law, ``scale``, ``softcap`` and ``sinks``, and what it raises."""
-        return _ATTENTION[0](self, q, k, v, kpool, vpool, scale=scale, softcap=softcap,
-                             sinks=sinks, donate=donate, tile=tile)
+        for the law, ``scale``, ``softcap`` and ``sinks``, and what it raises.
 
-    def validate(self, values: Any, pool: Any, fn: str = "extend",
-                      name: str = "values") -> None:
-        """Raises naming ``cacheidx.{fn}`` where ``values`` cannot be stored into ``pool``."""
-        kind = pools.kind(pool)
-        if not self.backend.same_library(values):
-            raise TypeError(f"cacheidx.{fn}: {name} must be an array of the index's "
-                            f"library ({self.backend.name}), got {type(values).__name__}")
-        kind.check(fn, "pool" if fn == "extend" else f"{name}pool", pool, self.backend)
-        if pool.ndim < 1:
-            raise arguments.fail(fn, "pool must have a slot axis, got a 0-d array")
-        want = (self.batch, self.seq, *pool.shape[1:])
-        if tuple(values.shape) != want:
-            raise arguments.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
-                             f"pool's row), got {list(values.shape)}")
-        kind.takes(fn, name, values, pool, self.xp)
+        A facade API.md pins: it is :func:`cacheidx.attention.attend`."""
+        # imported here, not at the top: attention is the floor above the index, which
+        # pyproject's layers contract lets it import only in this facade (ignore_imports says
+        # why), and by the time an index exists ``import cacheidx`` has imported it
+        from .attention import attend
+
+        return attend(self, q, k, v, kpool, vpool, scale=scale, softcap=softcap, sinks=sinks,
+                      donate=donate, tile=tile)
 
     def _one_call(self, fn: Callable[..., Any], *args: Any, donated: int | None = None,
                  static: int | None = None) -> Any:
@@ -687,131 +544,6 @@ class CacheIndex:
         return self.plan.part(kind, key, make,
                               keep=lambda v: not any(backend.tracing(a) for a in _arrays(v)))
 
-    def store(self, values: Any, pool: Any, donate: bool) -> Any:
-        """``pool`` with ``values`` stored where the call's tokens sit (one scatter with drop,
-        through the plan's store for every layer's pool of this size). A quantized pool stores
-        the rows' codes and scales each so, through the one plan."""
-        backend, xp, n = self.backend, self.xp, int(pool.shape[0])
-        plan = self.planned("store", (n,), lambda: backend.store_plan(
-            xp.reshape(self._store_slots(), (-1,)), n))
-        kind = pools.kind(pool)
-        return kind.remade([backend.store(p, plan, xp.reshape(r, (-1, *r.shape[2:])),
-                                          donate=donate)
-                            for p, r in zip(kind.parts(pool), kind.encode(pool, values, xp),
-                                            strict=True)])
-
-    def _store_slots(self) -> Any:
-        """Law: a token stores at its own column, the slot its table names at the column
-        standing at its position (in blocks, only a block's closing token), or at the slot the
-        draft names; padding and a token past the last column store nothing (-1)."""
-        xp = self.xp
-        if self.draft_slots is not None:
-            return xp.where(self.valid, self.draft_slots, -1)
-        m, table = self.block, self.lane_table
-        col = block_of(self.pos, m)
-        ok = self.valid & (col < int(table.shape[1]))
-        if m != 1:
-            ok = ok & closes(self.pos, m)
-        return self.lane_lookup(table, col, ok)
-
-    def _read(self, pool: Any, values: Any) -> Any:
-        """Columns of the table read from ``pool``, zero where no token of the lane sees them
-        or the slot addresses nothing (a quantized pool's codes and scales read so, then
-        dequantized). Under a draft, ``values`` are the call's own, as the pool gives them
-        back."""
-        xp, n = self.xp, int(pool.shape[0])
-        shape, plan = self.planned("read", (n,), lambda: self._read_plan(n))
-
-        def read(p: Any) -> Any:
-            return xp.reshape(self.backend.read(p, plan), (*shape, *p.shape[1:]))
-
-        seen = pools.decode(pools.map(pool, read), xp)
-        if self.draft_slots is None:
-            return seen
-        seen_by_some = xp.any(self.draft_tail(), axis=1)
-        return xp.concat([seen, self.zero_where(values, seen_by_some)], axis=1)
-
-    def _read_plan(self, n: int) -> tuple[tuple[int, ...], Any]:
-        """The shape of a read of a pool of ``n`` slots, and the backend's plan of it (from the
-        slots it takes, flat, and where it is not zero)."""
-        xp = self.xp
-        if self.columns is not None:
-            ok = self.sees_columns(self.columns)
-            slots = self.lane_lookup(self.lane_table, self.columns, ok)
-        else:
-            slots, ok = self.lane_table, self.seen_by_some()
-        ok = ok & inside(slots, n)
-        return tuple(slots.shape), self.backend.read_plan(xp.reshape(slots, (-1,)),
-                                                          xp.reshape(ok, (-1,)), n)
-
-    def seen_by_some(self) -> Any:
-        """[batch, width]: whether some token of each lane sees each column of the table (the
-        zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
-        xp, w = self.xp, self._window
-        width = int(self.columns_table.shape[1])
-        j = self.arange(width)[None, :]
-        if self.draft_slots is not None:  # columns before the least position, within reach
-            least = self._least
-            ok = (j < least) & xp.any(self.valid, axis=1, keepdims=True)
-            return ok if w is None else ok & (least - j < w)
-        stand = stands(j, self.block)
-        if w is None:
-            return stand <= self._last
-        return self._some_token_within(stand, w)
-
-    def _some_token_within(self, stand: Any, w: int) -> Any:
-        """Whether some valid token of the lane sits in ``[stand, stand + w)``.
-
-        Tokens at or before the last column's stand are found by one ``searchsorted`` over all
-        lanes at once (each lane's positions offset into a range of its own, so no offset grows
-        with the window); of the tokens past it only the lane's nearest can see a column."""
-        xp = self.xp
-        top = stands(stand.shape[1] - 1, self.block)
-        big = self._largest
-        valid, t = self.valid, self.pos
-        past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
-        near = (past < big) & (past - stand < w)
-        t = xp.where(valid & (t <= top), t, top + 1)
-        lane = self.arange(self.batch)[:, None] * (top + 2)
-        keys = xp.sort(xp.reshape(t + lane, (-1,)))
-        wanted = stand + lane
-        at = _clamp(xp, xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
-        found = xp.reshape(self.backend.take(keys, at), wanted.shape) - lane
-        return near | ((found >= stand) & (found <= top) & (found - stand < w))
-
-    def zero_where(self, values: Any, ok: Any) -> Any:
-        """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""
-        xp = self.xp
-        gate = xp.reshape(ok, (*ok.shape, *(1,) * (values.ndim - 2)))
-        return xp.where(gate, values, 0)
-
-    def seen_whole(self, values: Any) -> Any:
-        """On a whole index the columns are the lane's tokens (or the tokens closing its
-        blocks), read from ``values``; a column no token of the lane sees is zero."""
-        xp = self.xp
-        if self.columns is None and self.block == 1:
-            return self.zero_where(values, self.valid)
-        if self.columns is not None:
-            ok = self.sees_columns(self.columns)
-            cols = self.columns
-        else:
-            cols = self.arange(self.context)[None, :]
-            ok = stands(cols, self.block) <= self._last
-        # the token holding a column: itself, or the one closing its block (left padding first)
-        src = cols if self.block == 1 else (self.seq - 1 - self._last_of(cols)) + stands(
-            cols, self.block)
-        src = xp.broadcast_to(src, ok.shape)
-        lane = xp.reshape(self.arange(self.batch), (self.batch,) + (1,) * (ok.ndim - 1))
-        flat = xp.reshape(lane * self.seq + xp.where(ok, src, 0), (-1,))
-        rows = xp.reshape(values, (-1, *values.shape[2:]))
-        got = self.backend.gather(rows, flat, xp.reshape(ok, (-1,)))
-        return xp.reshape(got, (*ok.shape, *values.shape[2:]))
-
-    def _last_of(self, cols: Any) -> Any:
-        """Each lane's greatest position, shaped to broadcast against ``cols``."""
-        return self.xp.reshape(self._last, (self.batch,) + (1,) * (cols.ndim - 1))
-
-
 #: one lock for every index's host values (each section under it a few comparisons)
 _HOST = threading.Lock()
 #: set (in this thread) while :meth:`CacheIndex.advance` works out the next index's host values
@@ -837,68 +569,6 @@ def _arrays(value: Any) -> list[Any]:
     return [value] if hasattr(value, "shape") else []
 
 
-def _clamp(xp: Any, x: Any, lo: int, hi: Any) -> Any:
-    """``x`` clamped to ``[lo, hi]``. Not ``xp.clip``: its wrappers ask on the host whether a
-    bound is NaN, which a shape that ``torch.compile(dynamic=True)`` keeps symbolic cannot
-    answer."""
-    return xp.where(x < lo, lo, xp.where(x > hi, hi, x))
-
-
-# -- pytree: the tensors are leaves, the structure is static ------------------------------------
-def _flatten(index: CacheIndex) -> tuple[list[Any], tuple[Structure, backends.Backend]]:
-    """Leaves in the spec's walk order: row, positions, table, tables of blocks, selection,
-    draft slots, draft sees."""
-    leaves = [index.row] if index.row is not None else []
-    leaves.append(index.pos)
-    if index.table is not None:
-        leaves.append(index.table)
-    leaves.extend(b for _, b in index.blocks)
-    for part in (index.columns, index.draft_slots, index.draft_sees):
-        if part is not None:
-            leaves.append(part)
-    return leaves, (index.structure, index.backend)
-
-
-def _unflatten(static: tuple[Structure, Any], leaves: Any) -> CacheIndex:
-    structure, backend = static
-    it = iter(leaves)
-    row = next(it) if structure.row else None
-    pos = next(it)
-    table = next(it) if structure.kind == "tabled" else None
-    blocks = tuple((m, next(it)) for m in structure.blocks)
-    columns = next(it) if structure.columns else None
-    slots, seen_by = (next(it), next(it)) if structure.draft else (None, None)
-    return CacheIndex(kind=structure.kind, pos=pos, table=table, row=row, blocks=blocks,
-                      block=structure.every, window_size=structure.window, columns=columns,
-                      draft_slots=slots, draft_sees=seen_by, backend=backend)
-
-
-def _leaf_names(structure: Structure) -> list[str]:
-    """The walk's paths of the leaves, in ``_flatten``'s order."""
-    names = ["tokens.row"] if structure.row else []
-    names.append("tokens.pos")
-    if structure.kind == "tabled":
-        names.append("tokens.table")
-    names += [f"tokens.blocks.{i}" for i in range(len(structure.blocks))]
-    if structure.columns:
-        names.append("columns")
-    if structure.draft:
-        names += ["draft.slots", "draft.sees"]
-    return names
-
-
-def _dump(static: tuple[Structure, Any]) -> str:
-    structure, backend = static
-    return json.dumps({"structure": structure._asdict(), "backend": backend.name})
-
-
-def _load(text: str) -> tuple[Structure, Any]:
-    d = json.loads(text)
-    s = d["structure"]
-    return Structure(**{**s, "blocks": tuple(s["blocks"])}), backends.get(d["backend"])
-
-
 #: the index as a pytree node, for every library with a pytree registry
-NODE = backends.Node(CacheIndex, _flatten, _unflatten, lambda static: _leaf_names(static[0]),
-                     _dump, _load, safe=(Structure,))
+NODE = pytree.node(CacheIndex, Structure)
 backends.when_made(lambda backend: backend.register(NODE))

@@ -51,6 +51,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _arguments as arguments
+from . import masks, storage
 from .laws import closes, inside
 
 __all__ = ["Pools", "closing", "copy", "every", "start", "store", "zeros"]
@@ -135,8 +136,8 @@ def _span(index: Any) -> tuple[Any, Any, Any]:
     valid = index.valid
     largest = int(xp.iinfo(index.pos.dtype).max)
     p0 = xp.min(xp.where(valid, index.pos, largest), axis=1, keepdims=True)
-    return xp.any(valid, axis=1, keepdims=True), p0, xp.max(index.valid_positions, axis=1,
-                                                            keepdims=True)
+    return xp.any(valid, axis=1, keepdims=True), p0, xp.max(masks.valid_positions(index),
+                                                            axis=1, keepdims=True)
 
 
 def _one_call(index: Any, fn: Any, *args: Any, donate: tuple[int, ...] = (),
@@ -157,12 +158,12 @@ def _one_call(index: Any, fn: Any, *args: Any, donate: tuple[int, ...] = (),
 
 def _rows(index: Any) -> Any:
     """[batch]: each lane's row of the table (its running slot)."""
-    return index.arange(index.batch) if index.row is None else index.row
+    return masks.arange(index, index.batch) if index.row is None else index.row
 
 
 def _blocks(index: Any, m: int) -> Any:
     """[batch, width]: each lane's row of the table of blocks of ``m`` positions."""
-    return index.every(m).lane_table
+    return storage.lane_table(index.every(m))
 
 
 def _starts(index: Any, m: int, n_run: int, n_snap: int) -> tuple[Any, Any, Any, Any]:
@@ -179,7 +180,7 @@ def _starts(index: Any, m: int, n_run: int, n_snap: int) -> tuple[Any, Any, Any,
         table = _blocks(index, m)
         j = xp.where(aligned, p0 // m - 1, 0)
         aligned = aligned & (j < int(table.shape[1]))
-        snap = index.lane_lookup(table, j[:, None], aligned[:, None])[:, 0]
+        snap = masks.lane_lookup(index, table, j[:, None], aligned[:, None])[:, 0]
         from_snap = aligned & inside(snap, n_snap)
     from_run = later & ~from_snap & inside(run, n_run)
     return run, from_run, snap, from_snap
@@ -215,9 +216,10 @@ def _closing(index: Any, m: int) -> tuple[Any, Any, Any]:
     """Law 4: ``(token, closes, position)`` of each lane's closing tokens, ``[batch, k]``."""
     xp, seq = index.xp, index.seq
     has, p0, p1 = _span(index)
-    first = xp.min(xp.where(index.valid, index.arange(seq)[None, :], seq), axis=1, keepdims=True)
+    first = xp.min(xp.where(index.valid, masks.arange(index, seq)[None, :], seq), axis=1,
+                   keepdims=True)
     k = -(-seq // m)
-    c = index.arange(k)[None, :]
+    c = masks.arange(index, k)[None, :]
     top = xp.where(has, p0, 0)
     t = (top // m) * m + (m - 1) + c * m
     at = first + (t - top)
@@ -263,7 +265,7 @@ def _targets(index: Any, m: int, n_run: int, k: int | None) -> tuple[Any, Any]:
         _, ok, t = _closing(index, m)
     col = xp.where(ok, t // m, 0)
     ok = ok & (col < width)
-    return run, index.lane_lookup(table, col, ok)
+    return run, masks.lane_lookup(index, table, col, ok)
 
 
 def store(index: Any, last: Any, pools: Pools, closed: Any = None, *,

@@ -3,7 +3,8 @@
 The floors are pyproject.toml's import-linter ``layers`` contract (laws, backends, the index,
 attention, models and prefix, serve/parallel/conformance, integrations and the demo); a lower
 floor lets an upper one hook in through a registration the upper one calls
-(``backends.when_made``, ``index.attends_with``, ``plan.CARRY``).
+(``backends.when_made``, ``plan.CARRY``); ``CacheIndex.attend``, a facade API.md pins, imports
+``cacheidx.attention.attend`` in the method, an import the contract names.
 """
 
 from __future__ import annotations

@@ -46,8 +46,7 @@ import math
 from typing import Any, NamedTuple
 
 from .. import _arguments as arguments
-from .. import backends, pools
-from ..index import attends_with
+from .. import backends, pools, storage, validation
 from . import runs, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
@@ -119,12 +118,12 @@ def stored(call: Call) -> Call:
     index = call.index
     stored = call
     if index.kind == "tabled":
-        stored = call._replace(kpool=index.store(call.k, call.kpool, call.donate),
-                               vpool=index.store(call.v, call.vpool, call.donate))
+        stored = call._replace(kpool=storage.store(index, call.k, call.kpool, call.donate),
+                               vpool=storage.store(index, call.v, call.vpool, call.donate))
     if index.kind != "tabled" or index.draft_slots is not None:
         # the columns read from the call's own keys and values: as the pools give them back
-        stored = stored._replace(k=index.stands_for(call.k, call.kpool),
-                                 v=index.stands_for(call.v, call.vpool))
+        stored = stored._replace(k=pools.stands_for(call.kpool, call.k, index.xp),
+                                 v=pools.stands_for(call.vpool, call.v, index.xp))
     return stored
 
 
@@ -205,8 +204,8 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
         for name, pool in (("kpool", kpool), ("vpool", vpool)):
             for part in pools.parts(pool):
                 arguments.owned("attend", name, part)
-    index.validate(k, kpool, "attend", "k")
-    index.validate(v, vpool, "attend", "v")
+    validation.values(index, k, kpool, "attend", "k")
+    validation.values(index, v, vpool, "attend", "v")
     kv, d = int(kpool.shape[1]), int(kpool.shape[2])
     if q.ndim != 4 or tuple(q.shape[:2]) != (index.batch, index.seq) or q.shape[3] != d:
         raise arguments.fail("attend", f"q must have shape [{index.batch}, {index.seq}, heads, {d}]"
@@ -237,6 +236,5 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
     return scale, softcap, tile
 
 
-attends_with(attend)
 # a library's path made with its backend: a compiler tracing a call could not import it
 backends.when_made(fast)

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import masks, pools, storage
 from .. import plan as plans
-from .. import pools
 from ..laws import inside
 from . import runplan
 from .softmax import Online
@@ -82,12 +82,12 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     from . import SCORES
 
     on_host = index.host()  # the host's values: nothing read back (cacheidx.plan's law)
-    table = on_host.lane_table
+    table = storage.lane_table(on_host)
     width = int(table.shape[1])
     if index.seq > runplan.ROWS or index.batch * index.seq * width > runplan.WHOLE:
         return ()  # as runs' plan: the host never holds a larger mask
     whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
-    found = runplan.prefixes(table, on_host.seen_by_some(), whole, n, index.seq, heads,
+    found = runplan.prefixes(table, storage.seen_by_some(on_host), whole, n, index.seq, heads,
                              SCORES, tile)
     return tuple((g.lanes, rounded(g.width)) for g in found)
 
@@ -109,7 +109,7 @@ def _share(call: Any) -> Share:
     n = int(kpool.shape[0])
     if (not runplan.shares() or index.kind != "tabled" or index.columns is not None
             or int(vpool.shape[0]) != n or index.seq > runplan.ROWS
-            or int(index.columns_table.shape[1]) < runplan.SHARED):
+            or int(storage.columns_table(index).shape[1]) < runplan.SHARED):
         return ()
     index.follow()  # the plan of these values (every eager numpy or torch call asks it too)
     heads = int(call.q.shape[2])
@@ -165,7 +165,7 @@ def _looped(call: Any, share: Share = ()) -> Any:
 
     index = call.index
     xp, kpool, vpool = index.xp, call.kpool, call.vpool
-    table, some = index.lane_table, index.seen_by_some()
+    table, some = storage.lane_table(index), storage.seen_by_some(index)
     width = int(table.shape[1])
     offsets = _offsets(index.batch, share)
     # a sharing lane's columns start past its prefix: the loop spans the longest rest
@@ -180,14 +180,14 @@ def _looped(call: Any, share: Share = ()) -> Any:
     off = None if not share else xp.asarray(offsets, dtype=index.pos.dtype)[:, None]
 
     def body(i: Any, carry: tuple) -> tuple:
-        j = i * size + index.arange(size)[None, :]  # [1, T], or [batch, T] from each offset
+        j = i * size + masks.arange(index, size)[None, :]  # [1, T], or [batch, T] from each offset
         j = j if off is None else j + off
         there = j < width  # past the width: none
         at = xp.where(there, j, 0)
         slots, ok = _take(xp, table, at), _take(xp, some, at) & there
         cols = j[:, None, :]
-        mask = (index.draft_sees_table(cols) & there[:, None, :] if draft
-                else index.sees_columns(cols))
+        mask = (masks.draft_sees_table(index, cols) & there[:, None, :] if draft
+                else masks.sees_columns(index, cols))
         s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
         s.add(read(kpool, slots, ok), read(vpool, slots, ok), mask)
         return s.m, s.l, s.acc
@@ -268,7 +268,7 @@ def _prefix(call: Any, q: Any, row: Any, lanes: tuple[int, ...], read: Any
     size = min(call.tile or tile_size(1, seq, n * kv * g), width)
 
     def fold(carry: tuple, c0: Any, t: int) -> tuple:
-        slots = xp.take(row, c0 + index.arange(t))[None, :]
+        slots = xp.take(row, c0 + masks.arange(index, t))[None, :]
         ok = xp.ones(slots.shape, dtype=xp.bool)
         s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
         s.add(read(call.kpool, slots, ok), read(call.vpool, slots, ok), None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import pools
 from .._arguments import strides
 
 __all__ = ["LAYOUTS", "head_major", "preferred", "zeros"]
@@ -47,9 +48,9 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
 
 def head_major(pool: Any) -> bool:
     """Whether ``pool`` ``[slots, kv, dim]`` keeps each head's slots one after another (its
-    slot stride below its head stride); ``False`` where the library shows no strides. A
-    quantized pool is as its codes are."""
-    pool = getattr(pool, "codes", pool)
+    slot stride below its head stride); ``False`` where the library shows no strides. A pool
+    of several parts is as its first is (a quantized pool's codes: :mod:`cacheidx.pools`)."""
+    pool = pools.parts(pool)[0]
     found = strides(pool)
     return (found is not None and len(found) == 3 and int(pool.shape[1]) > 1
             and found[0] < found[1])

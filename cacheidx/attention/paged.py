@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import plan as plans
+from .. import pools, storage
 from ..laws import inside
-from ..quantized import parts
 from . import native, runs
 from .softmax import Online, group
 
@@ -60,7 +60,10 @@ def applies(call: Any) -> bool:
             or index.draft_slots is not None or call.softcap is not None
             or index.backend.tracing(index.pos)):
         return False
-    arrays = [q, call.k, call.v, *parts(call.kpool), *parts(call.vpool)]
+    if not all(kind is pools.FLOATS or kind.kernel
+               for kind in (pools.kind(call.kpool), pools.kind(call.vpool))):
+        return False  # the kernel reads floats, and codes with one scale per token
+    arrays = [q, call.k, call.v, *pools.parts(call.kpool), *pools.parts(call.vpool)]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor):
         if any(a.device.type != "cpu" for a in arrays):
@@ -98,8 +101,8 @@ def plan(index: Any, n: int, heads: int, share: bool) -> Plan | None:
     or (``share``) some lanes share a prefix the core reads once. Made on the host from its
     copy of the index (:meth:`~cacheidx.CacheIndex.host`), once for every layer."""
     on_host = index.host()
-    table = np.ascontiguousarray(on_host.lane_table, dtype=np.int64)
-    some = np.asarray(on_host.seen_by_some(), dtype=bool)
+    table = np.ascontiguousarray(storage.lane_table(on_host), dtype=np.int64)
+    some = np.asarray(storage.seen_by_some(on_host), dtype=bool)
     count = some.sum(axis=1)
     start = np.where(count > 0, np.argmax(some, axis=1), 0).astype(np.int64)
     stop = start + count
@@ -127,7 +130,7 @@ def carry(index: Any, nxt: Any, key: tuple, part: Any) -> Plan | None:
     if not part:
         return part
     on_host = nxt.host()
-    table = np.ascontiguousarray(on_host.lane_table, dtype=np.int64)
+    table = np.ascontiguousarray(storage.lane_table(on_host), dtype=np.int64)
     pos, valid = np.asarray(on_host.pos)[:, 0], np.asarray(on_host.valid)[:, 0]
     start, stop = part.start, part.stop
     if np.any(stop[~valid] != start[~valid]) or not np.array_equal(pos[valid], stop[valid]):

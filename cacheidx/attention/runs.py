@@ -48,8 +48,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import masks, pools
 from .. import plan as plans
-from .. import pools
 from . import layout, paths, runplan
 from .runplan import (
     SHARED,
@@ -278,7 +278,7 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int,
             if part is None:
                 lane = own()
                 part = dataclasses.replace(lane, pos=lane.pos[:, i0:i1])
-            mask = part.sees_columns(part.arange(c1 - c0)[None, None, :] + c0)
+            mask = masks.sees_columns(part, masks.arange(part, c1 - c0)[None, None, :] + c0)
         state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
 
 

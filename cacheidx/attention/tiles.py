@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from .. import pools
+from .. import masks, pools, storage
 from ..laws import inside
 
 __all__ = ["Tile", "draft", "read", "rows"]
@@ -105,14 +105,15 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
     def lanes() -> tuple[Any, Any]:
         if not found:
-            found["table"], found["some"] = index.lane_table, index.seen_by_some()
+            found["table"] = storage.lane_table(index)
+            found["some"] = storage.seen_by_some(index)
         return found["table"], found["some"]
 
-    for c0, c1 in _spans(int(index.columns_table.shape[1]), size):
+    for c0, c1 in _spans(int(storage.columns_table(index).shape[1]), size):
 
         def mask(c0: int = c0, c1: int = c1, of: Any = index) -> Any:
-            j = of.arange(c1 - c0)[None, None, :] + c0
-            return of.draft_sees_table(j) if draft else of.sees_columns(j)
+            j = masks.arange(of, c1 - c0)[None, None, :] + c0
+            return masks.draft_sees_table(of, j) if draft else masks.sees_columns(of, j)
 
         def make(c0: int = c0, c1: int = c1) -> tuple[Any, Any, Any]:
             table, some = lanes()
@@ -130,9 +131,9 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 def draft(index: Any, k: Any, v: Any) -> Tile:
     """Under a draft, the call's own tokens: the columns after the table's."""
     xp = index.xp
-    tail = index.draft_tail()
+    tail = masks.draft_tail(index)
     some = xp.any(tail, axis=1)
-    return Tile(index.zero_where(k, some), index.zero_where(v, some), tail)
+    return Tile(storage.zero_where(index, k, some), storage.zero_where(index, v, some), tail)
 
 
 def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
@@ -141,14 +142,15 @@ def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
     columns = index.columns
     for c0, c1 in _spans(int(columns.shape[2]), size):
         part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
-        seen = part.sees_columns(part.columns)
+        seen = masks.sees_columns(part, part.columns)
 
         def make(part: Any = part, seen: Any = seen) -> tuple[Any, Any, Any]:
-            return part.lane_lookup(part.lane_table, part.columns, seen), seen, seen
+            slots = masks.lane_lookup(part, storage.lane_table(part), part.columns, seen)
+            return slots, seen, seen
 
         def seen_on(host: Any, c0: int = c0, c1: int = c1) -> Any:
             cut = dataclasses.replace(host, columns=host.columns[:, :, c0:c1])
-            return cut.sees_columns(cut.columns)
+            return masks.sees_columns(cut, cut.columns)
 
         k_plan, v_plan = _plans(index, ("attend select", c0, c1), (kpool, vpool), make,
                                 seen_on)
@@ -164,10 +166,10 @@ def _whole(index: Any, k: Any, v: Any, size: int) -> Iterator[Tile]:
         columns = index.columns
         for c0, c1 in _spans(int(columns.shape[2]), size):
             part = dataclasses.replace(index, columns=columns[:, :, c0:c1])
-            yield Tile(part.seen_whole(k), part.seen_whole(v),
-                       part.sees_columns(part.columns))
+            yield Tile(storage.seen_whole(part, k), storage.seen_whole(part, v),
+                       masks.sees_columns(part, part.columns))
         return
-    seen_k, seen_v = index.seen_whole(k), index.seen_whole(v)
+    seen_k, seen_v = storage.seen_whole(index, k), storage.seen_whole(index, v)
     for c0, c1 in _spans(index.context, size):
-        j = index.arange(c1 - c0)[None, None, :] + c0
-        yield Tile(seen_k[:, c0:c1, ...], seen_v[:, c0:c1, ...], index.sees_columns(j))
+        j = masks.arange(index, c1 - c0)[None, None, :] + c0
+        yield Tile(seen_k[:, c0:c1, ...], seen_v[:, c0:c1, ...], masks.sees_columns(index, j))

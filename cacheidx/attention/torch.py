@@ -68,7 +68,7 @@ class TorchPath:
     def products(self, backend: Any, kpool: Any, vpool: Any) -> Any:
         """One lane's products over head-major pools on the CPU (:class:`HeadMajor`), or
         ``None``."""
-        if (getattr(kpool, "codes", kpool).device.type != "cpu" or not layout.head_major(kpool)
+        if (pools.parts(kpool)[0].device.type != "cpu" or not layout.head_major(kpool)
                 or not layout.head_major(vpool)):
             return None
         return HeadMajor(backend)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import build, state
+from .. import build, masks, state
 from .laws import index, same
 from .suite import Case, law
 
@@ -43,7 +43,7 @@ def recur(index, x, pools):
     states = xp.stack(states, axis=1)
     tokens, ok = state.closing(index)
     k = int(tokens.shape[1])
-    lane = index.arange(index.batch)[:, None] * index.seq
+    lane = masks.arange(index, index.batch)[:, None] * index.seq
     flat = xp.reshape(lane + xp.where(ok, tokens, 0), (-1,))
     closed = be.gather(xp.reshape(states, (-1, WIDTH)), flat, xp.reshape(ok, (-1,)))
     closed = xp.reshape(closed, (index.batch, k, WIDTH))
