@@ -328,3 +328,94 @@ def test_with_debug_an_advanced_index_off_the_schedulers_positions_is_the_engine
     fed.indices = tuple(ix.advance() for ix in fed.indices)
     with pytest.raises(TableError, match="advanced index has positions"):
         engine.step()
+
+
+# -- a step carries its plan: remade only where the batch changed (issue 36.2) -----------------
+def staggered(P=16):
+    """Three requests arriving over time: the later ones join while the first decodes, the
+    second's prompt computed chunk by chunk over several steps (a prefill call between two
+    decode calls), and each lane reaching pages of ``P`` on steps of its own."""
+    rng = np.random.default_rng(5)
+    return [Request(0, rng.integers(0, 64, 20).tolist(), 40),
+            Request(1, rng.integers(0, 64, 70).tolist(), 20, arrival=3),
+            Request(2, rng.integers(0, 64, 30).tolist(), 12, arrival=12)]
+
+
+def parts_per_decode(monkeypatch, model, backend, fresh, P=16):
+    """The engine's results and, for each decode call, ``(steady, after a prefill, parts)``:
+    whether no lane joined, left or reached a page of ``P`` (its batch follows the last decode
+    call's, and no lane's position is a page's first), whether a prefill call came between it
+    and the last decode call, and the plan's parts it made (of every kind but ``store``: a
+    step's own slots, made every step by nature); ``fresh``: every index made anew."""
+    calls, last, made = [], [None], []
+    run, part = Step.run, Plan.part
+
+    def counted(self, batch, table, version):
+        if fresh:
+            self._fed = None
+        before = len(made)
+        out = run(self, batch, table, version)
+        if batch.kind == "decode":
+            steady = batch.follows and not np.any(batch.pos % P == 0)
+            calls.append((steady, last[0] == "prefill", made[before:]))
+        last[0] = batch.kind
+        return out
+
+    def spy(self, kind, key, make, keep=None):
+        def counted_part():
+            value = make()
+            if kind != "store":
+                made.append(kind)
+            return value
+
+        return part(self, kind, key, counted_part, keep)
+
+    monkeypatch.setattr(Step, "run", counted)
+    monkeypatch.setattr(Plan, "part", spy)
+    engine = Engine(model, backend=backend, page_size=P, pages=32, lanes=4, chunk=16,
+                    clock="steps", keep_logits=True, debug=True)
+    results = sorted(engine.run(staggered(P)), key=lambda r: r.id)
+    monkeypatch.setattr(Step, "run", run)
+    monkeypatch.setattr(Plan, "part", part)
+    return results, calls
+
+
+@pytest.mark.parametrize("lib,kernel", [("numpy", True), ("numpy", False), ("torch", True)],
+                         ids=["numpy", "numpy, the core's runs", "torch"])
+def test_a_decode_step_where_no_lane_joined_left_or_reached_a_page_makes_no_plan(
+        tiny, lib, kernel, monkeypatch):
+    """Law 4 of :mod:`cacheidx.serve.step`: a decode call whose lanes are the last decode
+    call's, none at a page's first position, carries its plan whole: it makes no part of it
+    (the paged kernel's plan, the core's runs, the shared groups), also when a prefill call of
+    a joining lane came between the two; and the tokens and logits are those of an engine
+    whose every index is made anew, which makes its read part on every call. (Before the
+    engine carried its plan across a prefill call, each decode call after one made it anew.)"""
+    from cacheidx.attention import native
+
+    _, _, model = tiny
+    backend_or_skip(lib)
+    with contextlib.nullcontext() if kernel else native.off():
+        got, calls = parts_per_decode(monkeypatch, model, lib, fresh=False)
+        want, anew = parts_per_decode(monkeypatch, model, lib, fresh=True)
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens, g.id
+        np.testing.assert_allclose(g.last_logits, w.last_logits, atol=1e-5, rtol=0)
+    steady = [parts for quiet, _, parts in calls if quiet]
+    after_prefill = [parts for quiet, between, parts in calls if quiet and between]
+    assert len(steady) >= 30 and len(after_prefill) >= 3, calls
+    assert steady == [[]] * len(steady), calls
+    assert all(parts for quiet, _, parts in anew if quiet), anew
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_table_written_behind_the_librarys_back_before_advance_is_seen_by_the_next_call(
+        lib, monkeypatch):
+    """``advance()`` takes the values the host knows as they are (it compares no tensor: a
+    step costs no pass over its table); a table in host memory written in place behind the
+    library's back after the last call is seen by the next index's first call, which compares
+    its tensors with them: its read part made anew, its output a fresh index's."""
+    step, kpool, vpool = decoding(lib, TABLE.copy())
+    step.table[0, 2] = 40  # lane 0's column 2, in place (NumPy's array, torch's CPU tensor)
+    with counting(monkeypatch) as made:
+        nxt = step.advance()
+        assert same_as_fresh(lib, nxt, kpool, vpool, made) == 1, made

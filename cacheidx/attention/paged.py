@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import masks, pools
 from .. import plan as plans
-from .. import pools, storage
 from ..laws import inside
 from . import native, runs
 from .softmax import Online, group
@@ -85,7 +85,7 @@ def attend(call: Any) -> tuple[Any, Any, Any] | None:
         return None
     from . import SCORES, standard, stored
 
-    call.index.follow()
+    plans.follow(call.index)
     call = stored(call)
     out = read(call)
     if out is None:
@@ -101,8 +101,8 @@ def plan(index: Any, n: int, heads: int, share: bool) -> Plan | None:
     or (``share``) some lanes share a prefix the core reads once. Made on the host from its
     copy of the index (:meth:`~cacheidx.CacheIndex.host`), once for every layer."""
     on_host = index.host()
-    table = np.ascontiguousarray(storage.lane_table(on_host), dtype=np.int64)
-    some = np.asarray(storage.seen_by_some(on_host), dtype=bool)
+    table = np.ascontiguousarray(masks.lane_table(on_host), dtype=np.int64)
+    some = np.asarray(masks.seen_by_some(on_host), dtype=bool)
     count = some.sum(axis=1)
     start = np.where(count > 0, np.argmax(some, axis=1), 0).astype(np.int64)
     stop = start + count
@@ -129,8 +129,11 @@ def carry(index: Any, nxt: Any, key: tuple, part: Any) -> Plan | None:
         return None
     if not part:
         return part
-    on_host = nxt.host()
-    table = np.ascontiguousarray(storage.lane_table(on_host), dtype=np.int64)
+    on_host, old = nxt.host(), index.host()
+    if on_host.table is old.table and on_host.row is old.row:  # the host's same values
+        table = part.table  # a step over the same table: no pass over it (issue 36.2)
+    else:
+        table = np.ascontiguousarray(masks.lane_table(on_host), dtype=np.int64)
     pos, valid = np.asarray(on_host.pos)[:, 0], np.asarray(on_host.valid)[:, 0]
     start, stop = part.start, part.stop
     if np.any(stop[~valid] != start[~valid]) or not np.array_equal(pos[valid], stop[valid]):
@@ -151,7 +154,7 @@ def read(call: Any) -> Any | None:
     if int(call.vpool.shape[0]) != n:
         return None
     heads, share = int(q.shape[2]), runs.shares()
-    found = index.planned("paged", (n, heads, share),
+    found = plans.planned(index, "paged", (n, heads, share),
                           lambda: plan(index, n, heads, share) or ())
     if not found:
         return None

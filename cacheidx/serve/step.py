@@ -24,8 +24,11 @@ Laws of :class:`Step`:
    call over the same lanes is fed those, device to device, without the host. Eagerly, that
    next call's index is the last one's ``advance(table=...)`` over the scheduler's table now
    (one per group, law 6), so its plan is carried wherever the table kept the columns the last
-   one read (:meth:`cacheidx.CacheIndex.advance`), also when the table grew by a page since;
-   with ``debug``, its positions and row map are checked against the scheduler's.
+   one read (:meth:`cacheidx.CacheIndex.advance`), also when the table grew by a page since,
+   and also across a prefill call in between (a lane joining, its prompt computed chunk by
+   chunk: the decode lanes are the same); with ``debug``, its positions and row map are
+   checked against the scheduler's. So a decode call makes its plan anew only where its
+   batch changed (a lane joined or left: :mod:`cacheidx.serve.scheduler`'s ``follows``).
 5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
    reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
 6. With ``groups`` (several groups of layers, :mod:`cacheidx.serve.groups`) the scheduler
@@ -237,11 +240,14 @@ class Step:
         if batch.resumes:  # law 8: a hit resumed at a junction
             self._copy(batch.resumes, "running")
         tokens_in = self._put("tokens", tokens, fed and fed.tokens)
+        # eagerly, a prefill call between two decode calls leaves the decode lanes' indices
+        # to their next call (law 4): a lane joining is not the others' batch changing
+        waiting = self._fed if batch.kind == "prefill" and not self.compiled else None
         self._fed = fed = None  # copied: a replayed graph may now write over those outputs
         if batch.kind == "prefill":
             chosen, logits, pools = self._prefill(self.weights, tokens_in, index, self.pools)
             chosen = self._sampled(batch, chosen, logits)
-            self._fed = None
+            self._fed = waiting
         else:
             chosen, logits, nxt, pools = self._decode(self.weights, tokens_in, index, self.pools)
             chosen = self._sampled(batch, chosen, logits)  # law 9: fed on as the greedy are
