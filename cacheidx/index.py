@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _arguments as arguments
 from . import backends, masks, pools, pytree, storage, validation
+from . import plan as plans
 from .devices import to_host
 from .laws import inside
 from .plan import Plan
@@ -102,7 +103,7 @@ class CacheIndex:
         """The number of columns a token's mask runs over without a selection."""
         if self.kind != "tabled":
             return -(-self.seq // self.block)
-        width = int(storage.columns_table(self).shape[1])
+        width = int(masks.columns_table(self).shape[1])
         return width + self.seq if self.draft_slots is not None else width
 
     @property
@@ -483,7 +484,7 @@ class CacheIndex:
         return storage.seen_whole(self, pools.stands_for(pool, values, self.xp))
 
     def _extend(self, values: Any, pool: Any, donate: bool) -> tuple[Any, Any]:
-        self.follow()
+        plans.follow(self)
         pool = storage.store(self, values, pool, donate)
         # the call's own values are read only under a draft (its tail of columns)
         return storage.read(self, pool, values if self.draft_slots is None
@@ -520,29 +521,10 @@ class CacheIndex:
         given = () if donated is None or not args[static] else (donated + 1,)
         kept = () if static is None else (static + 1,)
         run = backend.one_program(fn, donate_argnums=given, static_argnums=kept)
-        if run is fn or any(backend.tracing(a) for a in (self.pos, *_arrays(args))):
+        if run is fn or any(backend.tracing(a) for a in (self.pos, *plans.arrays(args))):
             return fn(self, *args)
         return run(self, *args)
 
-    def follow(self) -> Plan:
-        """:attr:`plan`, its parts dropped first where the index's host values (:meth:`host`)
-        are no longer those they were made from (:meth:`Plan.follow
-        <cacheidx.plan.Plan.follow>`). Every eager call asks it once, before any layer reads a
-        part; traced, it does nothing."""
-        if not self.backend.tracing(self.pos):
-            self.plan.follow(self.host().tensors())
-        return self.plan
-
-    def planned(self, kind: str, key: tuple, make: Any) -> Any:
-        """The part ``kind`` of :attr:`plan` for ``key`` (:meth:`Plan.part
-        <cacheidx.plan.Plan.part>`), kept for every later layer; traced, ``make()`` itself,
-        computed inside the program (so is a part whose values are traced: an index a compiled
-        step closes over)."""
-        backend = self.backend
-        if backend.tracing(self.pos):
-            return make()
-        return self.plan.part(kind, key, make,
-                              keep=lambda v: not any(backend.tracing(a) for a in _arrays(v)))
 
 #: one lock for every index's host values (each section under it a few comparisons)
 _HOST = threading.Lock()
@@ -560,13 +542,6 @@ def _kept(a: np.ndarray) -> np.ndarray:
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b))
-
-
-def _arrays(value: Any) -> list[Any]:
-    """The arrays in ``value``: itself, or those of a (named) tuple, nested."""
-    if isinstance(value, tuple):
-        return [a for part in value for a in _arrays(part)]
-    return [value] if hasattr(value, "shape") else []
 
 
 #: the index as a pytree node, for every library with a pytree registry

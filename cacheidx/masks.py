@@ -8,6 +8,13 @@ position and the call's tokens its ``sees`` names. :meth:`CacheIndex.mask
 <cacheidx.index.CacheIndex.mask>` and ``visible`` are :func:`mask`; attention's tiles and runs
 build their pieces of it from :func:`sees_columns`, :func:`draft_sees_table` and
 :func:`draft_tail`, so a tile's mask is the index's mask there by construction.
+
+The columns are those of :func:`columns_table` (the positions' table, or the blocks' under
+``every``), each lane reading its row of it (:func:`lane_table`); :func:`seen_by_some` says
+which columns some token of a lane sees, the zeroing law's mask that every read
+(:mod:`cacheidx.storage`, attention's runs and tiles) keeps without a ``[batch, seq, width]``
+array. Nothing here stores or reads a pool, nor asks the plan: the host's NumPy planners
+(:mod:`cacheidx.attention.runplan`) call these on the host index.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from typing import Any
 
 from .laws import inside, sees, stands
 
-__all__ = ["arange", "clamp", "draft_sees_table", "draft_tail", "lane_lookup", "largest", "last",
-           "least", "mask", "sees_columns", "valid_positions", "window"]
+__all__ = ["arange", "clamp", "columns_table", "draft_sees_table", "draft_tail", "lane_lookup",
+           "lane_table", "largest", "last", "least", "mask", "sees_columns", "seen_by_some",
+           "valid_positions", "window"]
 
 
 def arange(index: Any, n: int) -> Any:
@@ -113,6 +121,59 @@ def draft_tail(index: Any) -> Any:
     valid, t = index.valid, index.pos
     return (valid[:, :, None] & valid[:, None, :] & index.draft_sees
             & sees(t[:, None, :], t[:, :, None], window(index)))
+
+
+def columns_table(index: Any) -> Any:
+    """The table whose columns the index reads: positions', or blocks' under ``every``."""
+    return index.table if index.block == 1 else dict(index.blocks)[index.block]
+
+
+def lane_table(index: Any) -> Any:
+    """[batch, width]: each lane's row of the table it reads; a lane of padding reads the
+    table's row 0, which its invalid tokens never use."""
+    table = columns_table(index)
+    if index.row is None:
+        return table
+    xp = index.xp
+    safe = xp.where(inside(index.row, int(table.shape[0])), index.row, 0)
+    return index.backend.take(table, safe)
+
+
+def seen_by_some(index: Any) -> Any:
+    """[batch, width]: whether some token of each lane sees each column of the table (the
+    zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
+    xp, w = index.xp, window(index)
+    width = int(columns_table(index).shape[1])
+    j = arange(index, width)[None, :]
+    if index.draft_slots is not None:  # columns before the least position, within reach
+        lo = least(index)
+        ok = (j < lo) & xp.any(index.valid, axis=1, keepdims=True)
+        return ok if w is None else ok & (lo - j < w)
+    stand = stands(j, index.block)
+    if w is None:
+        return stand <= last(index)
+    return _some_token_within(index, stand, w)
+
+
+def _some_token_within(index: Any, stand: Any, w: int) -> Any:
+    """Whether some valid token of the lane sits in ``[stand, stand + w)``.
+
+    Tokens at or before the last column's stand are found by one ``searchsorted`` over all
+    lanes at once (each lane's positions offset into a range of its own, so no offset grows
+    with the window); of the tokens past it only the lane's nearest can see a column."""
+    xp = index.xp
+    top = stands(stand.shape[1] - 1, index.block)
+    big = largest(index)
+    valid, t = index.valid, index.pos
+    past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
+    near = (past < big) & (past - stand < w)
+    t = xp.where(valid & (t <= top), t, top + 1)
+    lane = arange(index, index.batch)[:, None] * (top + 2)
+    keys = xp.sort(xp.reshape(t + lane, (-1,)))
+    wanted = stand + lane
+    at = clamp(xp, xp.searchsorted(keys, xp.reshape(wanted, (-1,))), 0, keys.shape[0] - 1)
+    found = xp.reshape(index.backend.take(keys, at), wanted.shape) - lane
+    return near | ((found >= stand) & (found <= top) & (found - stand < w))
 
 
 def clamp(xp: Any, x: Any, lo: int, hi: Any) -> Any:

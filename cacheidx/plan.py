@@ -174,7 +174,7 @@ class Recent:
 
 def keeps_columns(index: Any, nxt: Any) -> bool:
     """Whether ``nxt``'s table holds, on the row each lane of ``index`` reads (its row map's,
-    row 0 for a lane of padding, as :attr:`~cacheidx.CacheIndex.lane_table` reads), the values
+    row 0 for a lane of padding, as :func:`cacheidx.masks.lane_table` reads), the values
     ``index``'s table holds at every one of its columns; compared on the host's values
     (:meth:`~cacheidx.CacheIndex.host`)."""
     index, nxt = index.host(), nxt.host()
@@ -198,3 +198,31 @@ def _equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
 def _int64(a: np.ndarray) -> np.ndarray:
     """Index values as an index's host keeps them (:meth:`~cacheidx.CacheIndex.host`)."""
     return a.astype(np.int64) if a.dtype.kind in "iu" and a.dtype != np.int64 else a
+
+
+def follow(index: Any) -> Plan:
+    """``index.plan``, its parts dropped first where the index's host values
+    (:meth:`CacheIndex.host <cacheidx.CacheIndex.host>`) are no longer those they were made
+    from (:meth:`Plan.follow`). Every eager call asks it once, before any layer reads a part;
+    traced, it does nothing."""
+    if not index.backend.tracing(index.pos):
+        index.plan.follow(index.host().tensors())
+    return index.plan
+
+
+def planned(index: Any, kind: str, key: tuple, make: Any) -> Any:
+    """The part ``kind`` of ``index.plan`` for ``key`` (:meth:`Plan.part`), kept for every
+    later layer; traced, ``make()`` itself, computed inside the program (so is a part whose
+    values are traced: an index a compiled step closes over)."""
+    backend = index.backend
+    if backend.tracing(index.pos):
+        return make()
+    return index.plan.part(kind, key, make,
+                           keep=lambda v: not any(backend.tracing(a) for a in arrays(v)))
+
+
+def arrays(value: Any) -> list[Any]:
+    """The arrays in ``value``: itself, or those of a (named) tuple, nested."""
+    if isinstance(value, tuple):
+        return [a for part in value for a in arrays(part)]
+    return [value] if hasattr(value, "shape") else []

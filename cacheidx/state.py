@@ -51,7 +51,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _arguments as arguments
-from . import masks, storage
+from . import masks
+from . import plan as plans
 from .laws import closes, inside
 
 __all__ = ["Pools", "closing", "copy", "every", "start", "store", "zeros"]
@@ -163,7 +164,7 @@ def _rows(index: Any) -> Any:
 
 def _blocks(index: Any, m: int) -> Any:
     """[batch, width]: each lane's row of the table of blocks of ``m`` positions."""
-    return storage.lane_table(index.every(m))
+    return masks.lane_table(index.every(m))
 
 
 def _starts(index: Any, m: int, n_run: int, n_snap: int) -> tuple[Any, Any, Any, Any]:
@@ -203,7 +204,7 @@ def _start(index: Any, pools: Pools) -> Any:
     running, snaps = pools
     m = every(index)
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])
-    run, from_run, snap, from_snap = index.planned(
+    run, from_run, snap, from_snap = plans.planned(index,
         "state start", (m, n_run, n_snap), lambda: _starts(index, m, n_run, n_snap))
     got = be.gather(running, run, from_run)
     if m > 1 and n_snap > 0:
@@ -242,7 +243,7 @@ def closing(index: Any) -> tuple[Any, Any]:
 
 def _closed_by(index: Any) -> tuple[Any, Any]:
     m = every(index)
-    at, ok, _ = index.planned("state closing", (m,), lambda: _closing(index, m))
+    at, ok, _ = plans.planned(index, "state closing", (m,), lambda: _closing(index, m))
     return at, ok
 
 
@@ -310,7 +311,7 @@ def _store(index: Any, last: Any, pools: Pools, closed: Any, donate: bool) -> Po
     m, row = every(index), tuple(running.shape[1:])
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])
     k = None if closed is None else -(-index.seq // m)
-    run, snap = index.planned("state store", (m, n_run, k),
+    run, snap = plans.planned(index, "state store", (m, n_run, k),
                               lambda: _targets(index, m, n_run, k))
     running = be.store(running, be.store_plan(run, n_run), last, donate=donate)
     if snap is not None and n_snap > 0:

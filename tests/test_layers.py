@@ -10,6 +10,7 @@ floor lets an upper one hook in through a registration the upper one calls
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import pathlib
 import shutil
@@ -83,3 +84,26 @@ def test_no_module_calls_the_index_s_private_members():
                     and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
                 bad.append(f"{module}:{node.lineno}: .{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+#: the index's public members API.md pins (/work/shared/API.md: "Reading an index", "Derived
+#: indices", attend); ``mask``, ``visible``, ``extend`` and ``attend`` are facades over
+#: cacheidx.masks, cacheidx.storage and cacheidx.attention
+PINNED = {"batch", "seq", "context", "structure", "positions", "extend", "mask", "visible",
+          "to_device", "attend", "window", "select", "draft", "every", "advance"}
+#: the rest, each for a reason: its library and device (``xp``, ``device``), the padding law
+#: every layer reads (``valid``), the public way to take it apart and rebuild it (``tensors``,
+#: ``rebuild``, ``map``) and the host's values of its tensors (``host``, ``refilled``: issue
+#: 36's host-first plans; the plan made of them is cacheidx.plan's ``follow`` and ``planned``)
+KEPT = {"xp", "device", "valid", "tensors", "rebuild", "map", "host", "refilled"}
+
+
+def test_the_index_keeps_its_fields_and_the_members_it_names():
+    """``CacheIndex`` is its fields and the members above, no more: what it computes lives in
+    modules of their own (masks, storage, validation, pytree, pools, plan, attention), so a new
+    public member here is a choice this test makes visible, not a helper that grew back."""
+    fields = {f.name for f in dataclasses.fields(CacheIndex)}
+    members = {n for n in dir(CacheIndex) if not n.startswith("_")} - fields
+    assert members == PINNED | KEPT, (f"added: {sorted(members - PINNED - KEPT)}, "
+                                      f"gone: {sorted(PINNED | KEPT - members)}")
+    assert len(members - PINNED) <= 8

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 from .. import _arguments as arguments
 from .. import backends, pools, storage, validation
+from .. import plan as plans
 from . import runs, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
@@ -106,7 +107,7 @@ def attend(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
     got = None if path is None else path.attend(call)
     if got is not None:
         return got
-    index.follow()  # the plan every layer reads, made anew where the host's values changed
+    plans.follow(index)  # the plan every layer reads, made anew where the host's values changed
     call = stored(call)
     out = runs.read(call, SCORES)
     return (standard(call) if out is None else out), call.kpool, call.vpool

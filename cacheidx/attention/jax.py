@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import masks, pools, storage
+from .. import masks, pools
 from .. import plan as plans
 from ..laws import inside
 from . import runplan
@@ -82,12 +82,12 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     from . import SCORES
 
     on_host = index.host()  # the host's values: nothing read back (cacheidx.plan's law)
-    table = storage.lane_table(on_host)
+    table = masks.lane_table(on_host)
     width = int(table.shape[1])
     if index.seq > runplan.ROWS or index.batch * index.seq * width > runplan.WHOLE:
         return ()  # as runs' plan: the host never holds a larger mask
     whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
-    found = runplan.prefixes(table, storage.seen_by_some(on_host), whole, n, index.seq, heads,
+    found = runplan.prefixes(table, masks.seen_by_some(on_host), whole, n, index.seq, heads,
                              SCORES, tile)
     return tuple((g.lanes, rounded(g.width)) for g in found)
 
@@ -109,11 +109,11 @@ def _share(call: Any) -> Share:
     n = int(kpool.shape[0])
     if (not runplan.shares() or index.kind != "tabled" or index.columns is not None
             or int(vpool.shape[0]) != n or index.seq > runplan.ROWS
-            or int(storage.columns_table(index).shape[1]) < runplan.SHARED):
+            or int(masks.columns_table(index).shape[1]) < runplan.SHARED):
         return ()
-    index.follow()  # the plan of these values (every eager numpy or torch call asks it too)
+    plans.follow(index)  # the plan of these values (every eager numpy or torch call asks it too)
     heads = int(call.q.shape[2])
-    return index.planned("share", (n, heads, call.tile),
+    return plans.planned(index, "share", (n, heads, call.tile),
                          lambda: sharing(index, n, heads, call.tile))
 
 
@@ -165,7 +165,7 @@ def _looped(call: Any, share: Share = ()) -> Any:
 
     index = call.index
     xp, kpool, vpool = index.xp, call.kpool, call.vpool
-    table, some = storage.lane_table(index), storage.seen_by_some(index)
+    table, some = masks.lane_table(index), masks.seen_by_some(index)
     width = int(table.shape[1])
     offsets = _offsets(index.batch, share)
     # a sharing lane's columns start past its prefix: the loop spans the longest rest

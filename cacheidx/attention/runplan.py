@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import masks, storage
+from .. import masks
 from ..laws import inside
 
 __all__ = ["GATHER", "MOST_RUNS", "OWN", "ROWS", "SHARED", "WHOLE", "Gathered", "Group", "Own",
@@ -145,7 +145,7 @@ def plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: b
     of lanes sharing a prefix, or ``None`` where some lane's seen columns are not a few runs of
     slots inside the pool. Worked out on the index's host values."""
     on_host = index.host()
-    table, some = storage.lane_table(on_host), storage.seen_by_some(on_host)
+    table, some = masks.lane_table(on_host), masks.seen_by_some(on_host)
     width = int(table.shape[1])
     # a short call's whole mask at once; a long one's per piece, so that the host never holds
     # [batch, seq, width]
@@ -288,7 +288,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Runs) -> Runs | None:
     lanes, groups = runs.lanes, runs.groups
     own = {b: g.width for g in groups for b in g.lanes}
     on_host = nxt.host()
-    table, pos = storage.lane_table(on_host), on_host.pos[:, 0]
+    table, pos = masks.lane_table(on_host), on_host.pos[:, 0]
     valid = on_host.valid[:, 0]
     width, size = int(table.shape[1]), tile or max(16, scores // heads)
     out = []
@@ -318,7 +318,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Runs) -> Runs | None:
         out.append([(i0, i1, pieces)])
     tile_ = None
     if runs.own is not None:  # the own tile, one column longer: made again (a host pass)
-        tile_ = _own(nxt, table, storage.seen_by_some(on_host), on_host.mask(), groups, n)
+        tile_ = _own(nxt, table, masks.seen_by_some(on_host), on_host.mask(), groups, n)
         if tile_ is None:
             return None
     return Runs(out, groups, tile_)

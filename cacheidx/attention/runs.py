@@ -160,7 +160,7 @@ def read(call: Any, scores: int) -> Any | None:
 
     share = shares()
     key = (n, scores, heads, call.tile, share)
-    placed = index.planned("runs", key, lambda: place(
+    placed = plans.planned(index, "runs", key, lambda: place(
         index, runplan.plan(index, n, scores, heads, call.tile, share), n) or ())
     if not placed:
         return None

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .. import masks, pools, storage
+from .. import plan as plans
 from ..laws import inside
 
 __all__ = ["Tile", "draft", "read", "rows"]
@@ -94,7 +95,7 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
         mask = seen(index.host())
         return _Plan(tuple(slots.shape), read, bool(mask.any()), bool(mask.all()))
 
-    return [index.planned("tile", (*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
+    return [plans.planned(index, "tile", (*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))
             for p in pools]
 
 
@@ -105,11 +106,11 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
     def lanes() -> tuple[Any, Any]:
         if not found:
-            found["table"] = storage.lane_table(index)
-            found["some"] = storage.seen_by_some(index)
+            found["table"] = masks.lane_table(index)
+            found["some"] = masks.seen_by_some(index)
         return found["table"], found["some"]
 
-    for c0, c1 in _spans(int(storage.columns_table(index).shape[1]), size):
+    for c0, c1 in _spans(int(masks.columns_table(index).shape[1]), size):
 
         def mask(c0: int = c0, c1: int = c1, of: Any = index) -> Any:
             j = masks.arange(of, c1 - c0)[None, None, :] + c0
@@ -145,7 +146,7 @@ def _selected(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
         seen = masks.sees_columns(part, part.columns)
 
         def make(part: Any = part, seen: Any = seen) -> tuple[Any, Any, Any]:
-            slots = masks.lane_lookup(part, storage.lane_table(part), part.columns, seen)
+            slots = masks.lane_lookup(part, masks.lane_table(part), part.columns, seen)
             return slots, seen, seen
 
         def seen_on(host: Any, c0: int = c0, c1: int = c1) -> Any:
