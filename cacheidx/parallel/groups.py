@@ -259,17 +259,16 @@ class JaxGroup:
         return [(zeros(), zeros()) for _ in range(config.layers)]
 
     def _pool_specs(self, pools: list) -> list:
-        """Each pool's cut on the heads (a quantized pool's codes and scales each its own)."""
+        """Each pool's cut on the heads, each part its own (a quantized pool's codes as a float
+        pool's rows, its scales ``[slots, heads]``): a pool of any kind (:mod:`cacheidx.pools`)."""
         from jax.sharding import PartitionSpec
 
-        from ..quantized import Quantized
+        from .. import pools as kinds
 
-        def spec(pool: Any) -> Any:
-            if isinstance(pool, Quantized):
-                return Quantized(self.cut.spec, PartitionSpec(None, self.axis))
-            return self.cut.spec
+        def part(a: Any) -> Any:
+            return self.cut.spec if a.ndim == 3 else PartitionSpec(None, self.axis)
 
-        return [tuple(spec(p) for p in pair) for pair in pools]
+        return [tuple(kinds.map(p, part) for p in pair) for pair in pools]
 
     def map(self, step: Any) -> Any:
         """``step(params, tokens, index, pools) -> (logits, pools)`` over the mesh: each device
