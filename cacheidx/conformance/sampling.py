@@ -1,6 +1,6 @@
-"""The engine's sampling law (:mod:`cacheidx.serve.sampling`'s laws 1 and 2) on every backend
-and mode: a sampled token is a function of the lane's logits, seed, sample number and step
-alone, whatever else is in the batch; temperature 0 is the argmax.
+"""The engine's sampling law (:mod:`cacheidx.sampling`'s laws 1 and 2, the engine's choice)
+on every backend and mode: a sampled token is a function of the lane's logits, seed, sample
+number and step alone, whatever else is in the batch; temperature 0 is the argmax.
 
 One small case (a vocabulary of 64, lanes of fixed logits and draws): the token of each lane
 is computed by NumPy here (the reference, the array API's NumPy), and each backend must give
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backends
-from ..serve import sampling
+from .. import backends, sampling
 from .suite import Case, law
 
 VOCAB = 64
