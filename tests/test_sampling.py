@@ -159,6 +159,33 @@ def test_penalties_are_openais():
     assert int(np.asarray(sp.choose(XP, z, d))[0]) == 7
 
 
+def test_penalty_counts_are_sparse_and_read_each_token_once():
+    """Law 4's counts kept on the lane (``Counts``): one entry per distinct token, the new
+    tokens alone read at each draw, and the bias each draw the dense reference's (the counts
+    of every token so far, ids past the vocabulary left out)."""
+    class Lane:
+        request = Request("a", [1], 4, sampling=Sampling(presence_penalty=0.5,
+                                                        frequency_penalty=0.25))
+        sample = 0
+        counts = None
+
+        class result:
+            tokens: list = []
+
+    lane, vocab = Lane(), 16
+    lane.result.tokens = []
+    rng = np.random.default_rng(5)
+    for step in range(60):
+        lane.result.tokens.append(int(rng.integers(0, vocab + 2)))  # some past the vocabulary
+        d = sp.draw([lane], 1, vocab)
+        ids = np.asarray(lane.result.tokens)
+        c = np.bincount(ids[ids < vocab], minlength=vocab).astype(np.float32)
+        expect = -(np.float32(0.25) * c + np.float32(0.5) * (c > 0))
+        assert d.bias[0].tolist() == expect.tolist(), step
+        assert lane.counts.seen == step + 1
+    assert len(lane.counts.times) == len(set(lane.result.tokens))  # sparse: seen ids alone
+
+
 def test_the_key_is_the_seed_sample_and_step_alone():
     """Law 1: keys differ with each of the three, and equal for equal ones (64-bit seeds)."""
     keys = sp.lane_key(np.asarray([0, 1, 2**63 + 1, 1, 1], np.uint64),

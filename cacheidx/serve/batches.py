@@ -24,6 +24,7 @@ Laws, for lanes in the scheduler's running order:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -113,6 +114,9 @@ class Lane:
     sample: int = 0
     #: the snapshot its first call copies into its running slot (-1: none; law 14)
     resume: int = -1
+    #: its tokens' counts for penalties (the sampling's ``Counts``), made at its first
+    #: penalised draw and kept as its tokens grow
+    counts: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def prefilling(self) -> bool:

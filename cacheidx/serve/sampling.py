@@ -31,7 +31,9 @@ Laws:
    chi-square check).
 4. **Penalties** are OpenAI's: ``z[j] -= frequency_penalty * c[j] + presence_penalty * (c[j]
    > 0)``, ``c[j]`` the times token ``j`` is in the sample's continuation so far (never the
-   prompt), applied before the temperature and at temperature 0 too.
+   prompt), applied before the temperature and at temperature 0 too. ``c`` is kept sparse,
+   as the sample's tokens grow (:class:`Counts`: the seen tokens alone, each token read
+   once); the bias a call is fed is a dense row (why: :class:`Counts`).
 5. **Log-probabilities** (``logprobs=k``) are those of the model's own distribution (the
    log-softmax of its logits, before penalties, temperature and filters), of the chosen
    token and of the ``k`` likeliest (ties by id), computed on the host in float64: one
@@ -188,12 +190,49 @@ class Logprob(NamedTuple):
     top: tuple[tuple[int, float], ...] = ()
 
 
+class Counts:
+    """Law 4's counts of one sample's tokens, sparse and kept as they grow: ``times[t]`` the
+    times token ``t`` is in the continuation, for the tokens seen alone (one entry per
+    distinct token, never a row of the vocabulary), and ``seen`` how many of the sample's
+    tokens are counted. :meth:`update` reads only the tokens past ``seen``, so a sample's
+    counts cost its tokens once, not once a step.
+
+    Why the bias a call is fed stays a dense ``[lanes, vocab]`` row (made from these counts
+    each call, zero but at the seen tokens): the logits it is added to are a dense
+    ``[lanes, vocab]`` array on the device already, and the array API has no scatter, so a
+    sparse ``(ids, values)`` input would need each library's own scatter (``index_add_``,
+    ``.at[].add``) in a choice written once, or a one-hot of ``[lanes, seen, vocab]``, more
+    work than the row. The row costs a fill and a copy of ``vocab`` floats a penalised lane,
+    the size of the logits row it shifts."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, int] = {}
+        self.seen = 0
+
+    def update(self, tokens: Sequence[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """Counts ``tokens[seen:]`` (the sample's tokens so far, of which the first ``seen``
+        are counted); returns the seen ids below ``vocab`` and their times (int64,
+        float32)."""
+        if len(tokens) < self.seen:  # tokens taken back (never by the engine): count anew
+            self.times, self.seen = {}, 0
+        times = self.times
+        for t in tokens[self.seen:]:
+            t = int(t)
+            times[t] = times.get(t, 0) + 1
+        self.seen = len(tokens)
+        ids = np.fromiter(times, np.int64, len(times))
+        counts = np.fromiter(times.values(), np.float32, len(times))
+        inside = ids < vocab
+        return ids[inside], counts[inside]
+
+
 def draw(lanes: Sequence[Any], size: int, vocab: int) -> Draw | None:
     """The host arrays (NumPy) of a call of ``lanes`` (the scheduler's, each with its
     ``request``, ``result`` and ``sample``) padded to ``size`` lanes, over ``vocab`` tokens;
     ``None`` where no lane needs a draw (law 2: the greedy program's choice stands). The
-    penalties' counts are each penalised lane's own tokens (``[lanes, vocab]`` made only
-    where a lane is penalised)."""
+    penalties' counts are each penalised lane's own tokens (:class:`Counts`, kept on the lane
+    as its tokens grow); ``bias`` (``[lanes, vocab]``) is made only where a lane is
+    penalised, each row written at its seen tokens alone."""
     asks = [getattr(lane.request, "sampling", None) or GREEDY for lane in lanes]
     if not any(s.drawn for s in asks):
         return None
@@ -211,10 +250,14 @@ def draw(lanes: Sequence[Any], size: int, vocab: int) -> Draw | None:
         samples[b] = getattr(lane, "sample", 0)
         steps[b] = len(lane.result.tokens)
         if s.penalised and lane.result.tokens:
-            ids = np.asarray(lane.result.tokens)
-            counts = np.bincount(ids[ids < vocab], minlength=vocab).astype(np.float32)
-            bias[b] = -(np.float32(s.frequency_penalty) * counts
-                        + np.float32(s.presence_penalty) * (counts > 0))
+            counts = getattr(lane, "counts", None)
+            if counts is None:  # a lane that keeps none (the scheduler's keep theirs)
+                counts = Counts()
+                if hasattr(lane, "counts"):
+                    lane.counts = counts
+            ids, times = counts.update(lane.result.tokens, vocab)
+            bias[b, ids] = -(np.float32(s.frequency_penalty) * times
+                             + np.float32(s.presence_penalty))
     if not (top_k.any() or (top_p < 1).any()):  # no lane filters by rank: no sort (choose)
         top_k = top_p = None
     return Draw(temperature, top_k, top_p, min_p, lane_key(seeds, samples, steps), bias)
