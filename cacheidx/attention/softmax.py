@@ -46,7 +46,7 @@ from typing import Any
 
 from .. import pools
 
-__all__ = ["Online", "group", "reference", "traced", "ungroup", "work_dtype"]
+__all__ = ["Online", "group", "reference", "ungroup", "work_dtype"]
 
 
 def work_dtype(xp: Any, dtype: Any) -> Any:
@@ -174,15 +174,13 @@ class Online:
     chunk: int | None = None
     #: a library's own products for one lane's views (:class:`~.paths.Products`), or None
     products: Any = None
-    #: whether the arrays are a compiler's tracers (no value can be read), ``None``: found
-    #: from the first tile's (:func:`traced`)
-    traced: bool | None = None
-    #: whether the tiles lie in host memory (``Backend.on_host``), where a tile's product is
-    #: asked whether it is finite (one sum read, no wait) and weighed carefully only where it
-    #: is not. Elsewhere (a device; traced) every tile is weighed carefully, its non-finite
-    #: values selected out on the device (:meth:`_weigh_selected`): the host never waits on
-    #: the device for the answer (:mod:`cacheidx.plan`'s host-first law). Both give one value
-    #: where every value is finite: the careful product then multiplies the values unchanged
+    #: whether the tiles lie in host memory, concrete (``Backend.on_host``, false for a compiler's
+    #: tracer: the backend's one tracing predicate, ``Backend.tracing``), where a tile's product is
+    #: asked whether it is finite (one sum read, no wait) and weighed carefully only where it is
+    #: not. Elsewhere (a device; traced) every tile is weighed carefully, its non-finite values
+    #: selected out on the device (:meth:`_weigh_selected`): the host never waits on the device for
+    #: the answer (:mod:`cacheidx.plan`'s host-first law). Both give one value where every value is
+    #: finite: the careful product then multiplies the values unchanged
     host: bool = False
 
     @classmethod
@@ -258,9 +256,7 @@ class Online:
         p = xp.exp(z - base)
         total = xp.sum(p, axis=-1, keepdims=True)
         values = _floats_as(xp, values, p.dtype)
-        if self.traced is None:
-            self.traced = traced(pools.parts(values)[0])
-        weighed = None if self.traced or not self.host else self._weigh(p, values)
+        weighed = None if not self.host else self._weigh(p, values)
         # IEEE products: a value that is not finite makes its whole column of the product
         # non-finite, whatever it is multiplied by, so a finite product had none to select
         if weighed is None or not _finite(xp, weighed):
@@ -390,22 +386,6 @@ def _finite(xp: Any, x: Any) -> bool:
     if getattr(x, "requires_grad", False):
         return bool(xp.all(xp.isfinite(x)))
     return math.isfinite(float(xp.sum(x)))
-
-
-def traced(x: Any) -> bool:
-    """Whether ``x`` is a compiler's tracer, whose values the host cannot read:
-    array-api-compat's lazy arrays (JAX's), or any array while ``torch.compile`` traces.
-
-    The backends know this (``Backend.tracing``), but a tile does not carry its backend, and
-    finding it by the array is not traceable by dynamo (the registry reads entry points)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.compiler.is_compiling():
-        return True
-    from array_api_compat import is_lazy_array
-
-    return is_lazy_array(x)
 
 
 def _device(x: Any) -> Any:

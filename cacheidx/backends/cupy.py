@@ -10,14 +10,17 @@ from functools import cache
 from typing import Any
 
 from . import rowkernels
-from .base import Backend, expand, redirect_dropped
+from .arrays import StandardArrays
+from .base import Backend, Library, expand, redirect_dropped
+from .checking import HostChecking
+from .compiling import Eager
 
 
-class CupyBackend(Backend):
+class CupyLibrary(Library):
+    """CuPy, usable where a CUDA device answers."""
+
     name = "cupy"
     module = "cupy"
-    donates = True
-    host = False
 
     @classmethod
     def usable(cls) -> tuple[bool, str]:
@@ -36,6 +39,10 @@ class CupyBackend(Backend):
         import array_api_compat.cupy
 
         return array_api_compat.cupy
+
+
+class CupyArrays(StandardArrays):
+    """One row kernel to store (skipping dropped rows), one to read; placement on a device."""
 
     # an index keeps the slots as contiguous int64 (and the gate contiguous) for every layer
     def store_plan(self, slots: Any, n: int) -> Any:
@@ -86,6 +93,21 @@ class CupyBackend(Backend):
         with cupy.cuda.Device(getattr(device, "id", device)):
             return cupy.asarray(x)
 
+
+class CupyCompiling(Eager):
+    """No compiler; a donated store writes into the caller's array."""
+
+    donates = True
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        return after.data.ptr == before.data.ptr
+
+
+class CupyChecking(HostChecking):
+    """CUDA devices only; float32 products in full precision unless ``CUPY_TF32``."""
+
+    host = False
+
     def devices(self) -> list[Any]:
         import cupy
 
@@ -102,8 +124,9 @@ class CupyBackend(Backend):
         # CuPy multiplies float32 in full precision unless CUPY_TF32 asks for TF32
         return 10 if os.environ.get("CUPY_TF32", "0") not in ("", "0") else 23
 
-    def wrote_in_place(self, before: Any, after: Any) -> bool:
-        return after.data.ptr == before.data.ptr
+
+class CupyBackend(CupyLibrary, CupyArrays, CupyCompiling, CupyChecking, Backend):
+    """CuPy: the CuPy parts, one per concern."""
 
 
 def _address(a: Any) -> int:

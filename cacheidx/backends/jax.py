@@ -16,14 +16,18 @@ from functools import cache
 from typing import Any
 
 from ..laws import inside
-from .base import Backend, Node
+from .arrays import StandardArrays
+from .base import Backend, Library, Node
+from .checking import HostChecking
+from .compiling import Eager
+from .serving import Composed, PlainServing
 
 
-class JaxBackend(Backend):
+class JaxLibrary(Library):
+    """jax, whose arrays come from ``jax`` or ``jaxlib``; the index a JAX pytree node."""
+
     name = "jax"
     module = "jax"
-    donates = True
-    modes = ("compiled",)
 
     @classmethod
     def _modules(cls) -> tuple[str, ...]:
@@ -34,14 +38,32 @@ class JaxBackend(Backend):
 
         return jax.numpy
 
+    def register(self, node: Node) -> None:
+        import jax
+
+        def with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            leaves, static = node.flatten(obj)
+            keys = [jax.tree_util.GetAttrKey(n) for n in node.keys(static)]
+            return list(zip(keys, leaves)), static
+
+        try:
+            jax.tree_util.register_pytree_with_keys(node.cls, with_keys, node.unflatten,
+                                                    flatten_func=node.flatten)
+        except ValueError:  # registered already
+            pass
+
+
+class JaxArrays(StandardArrays):
+    """``.at[].set(mode="drop")`` stores and fill-value reads, placement by
+    ``jax.device_put``; an eager call of the index is one program (:meth:`one_program`)."""
+
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
         """One XLA scatter of the tokens' rows; a slot outside the pool (-1, the pool's size,
         int32's or int64's largest, any negative) stores nothing. Under ``jax.jit`` the store is
         in place where the program's pool is donated or is a loop's carry; outside it, a donated
         pool goes through a compiled scatter that donates it, so its memory is reused."""
-        import jax
 
-        if donate and not isinstance(pool, jax.core.Tracer):
+        if donate and not self.tracing(pool):
             # outside jit a donated pool is written in place by a compiled, donating scatter
             return _donating_scatter()(pool, slots, rows)
         return _scatter(pool, slots, rows)
@@ -61,6 +83,42 @@ class JaxBackend(Backend):
         operations apart for every new shape (dozens for an ``extend``), where one program of
         the call compiles once and runs as one dispatch, as ``jax.numpy``'s own functions do."""
         return _program(fn, tuple(donate_argnums), tuple(static_argnums))
+
+    def from_host(self, a: Any, dtype: Any = None, device: Any = None) -> Any:
+        """A host array cast on the host and placed by ``jax.device_put``, which compiles
+        nothing: ``jnp.asarray`` compiles two programs for each new shape (a conversion, then a
+        placement), about 10 ms each, and dispatches them on every call."""
+        import jax
+        import numpy as np
+
+        if not isinstance(a, np.ndarray | np.generic):
+            return self.xp.asarray(a, dtype=dtype, device=device)
+        host = np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype if dtype is None
+                                                                 else dtype))
+        return jax.device_put(host, device)
+
+    def to_device(self, x: Any, device: Any) -> Any:
+        """``x`` on a device, or whole on each device of a ``jax.sharding.Sharding`` (a sharding
+        that would cut it is replaced by the replicated one over the same devices)."""
+        import jax
+
+        return jax.device_put(x, _whole(device))
+
+    def device(self, x: Any) -> Any:
+        # arrays built beside an index stay uncommitted, so they follow its placement
+        return None
+
+    def tracing(self, x: Any) -> bool:
+        import jax
+
+        return isinstance(x, jax.core.Tracer)
+
+
+class JaxCompiling(Eager):
+    """``jax.jit`` with donation, its traces counted."""
+
+    donates = True
+    modes = ("compiled",)
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled", compiler: str | None = None) -> Callable:
@@ -83,6 +141,34 @@ class JaxBackend(Backend):
         jitted = jax.jit(traced, donate_argnums=tuple(donate_argnums))
         jitted.traces = traces
         return jitted
+
+    def programs(self, jitted: Callable) -> int | None:
+        """The programs ``jitted`` (from :meth:`jit`) traced so far: its traces, counted."""
+        traces = getattr(jitted, "traces", None)
+        return None if traces is None else traces[0]
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        # a donated buffer is deleted and its memory handed to the result
+        return before.is_deleted()
+
+
+class JaxServing(PlainServing):
+    """A step's arrays refilled as new arrays (JAX writes in place only inside a program)."""
+
+    def refill(self: Composed, buffer: Any, values: Any) -> Any:
+        """``values`` as a new array on ``buffer``'s devices (JAX never writes in place outside
+        a program; a program given donated arrays reuses their memory)."""
+        import jax
+        import numpy as np
+
+        if isinstance(values, jax.Array):
+            return values
+        return self.from_host(np.asarray(values), buffer.dtype, buffer.sharding)
+
+
+class JaxChecking(HostChecking):
+    """JAX's devices (its default platform's, then the host's), its matmul precision, and XLA's
+    flags for a process that compiles the law suite's many small programs."""
 
     @classmethod
     def checking_env(cls, device_label: str) -> dict[str, str]:
@@ -121,40 +207,6 @@ class JaxBackend(Backend):
         # DEFAULT: TF32 on CUDA GPUs, one bfloat16 pass on TPUs
         return 7 if device.platform == "tpu" else 10
 
-    def refill(self, buffer: Any, values: Any) -> Any:
-        """``values`` as a new array on ``buffer``'s devices (JAX never writes in place outside
-        a program; a program given donated arrays reuses their memory)."""
-        import jax
-        import numpy as np
-
-        if isinstance(values, jax.Array):
-            return values
-        return self.from_host(np.asarray(values), buffer.dtype, buffer.sharding)
-
-    def from_host(self, a: Any, dtype: Any = None, device: Any = None) -> Any:
-        """A host array cast on the host and placed by ``jax.device_put``, which compiles
-        nothing: ``jnp.asarray`` compiles two programs for each new shape (a conversion, then a
-        placement), about 10 ms each, and dispatches them on every call."""
-        import jax
-        import numpy as np
-
-        if not isinstance(a, np.ndarray | np.generic):
-            return self.xp.asarray(a, dtype=dtype, device=device)
-        host = np.asarray(a, dtype=jax.dtypes.canonicalize_dtype(a.dtype if dtype is None
-                                                                 else dtype))
-        return jax.device_put(host, device)
-
-    def to_device(self, x: Any, device: Any) -> Any:
-        """``x`` on a device, or whole on each device of a ``jax.sharding.Sharding`` (a sharding
-        that would cut it is replaced by the replicated one over the same devices)."""
-        import jax
-
-        return jax.device_put(x, _whole(device))
-
-    def device(self, x: Any) -> Any:
-        # arrays built beside an index stay uncommitted, so they follow its placement
-        return None
-
     def devices(self) -> list[Any]:
         """The default platform's devices, then the host's: on a GPU machine JAX's default is
         its GPUs, and the CPU is there too."""
@@ -167,33 +219,9 @@ class JaxBackend(Backend):
             host = []
         return found + [d for d in host if d not in found]
 
-    def tracing(self, x: Any) -> bool:
-        import jax
 
-        return isinstance(x, jax.core.Tracer)
-
-    def programs(self, jitted: Callable) -> int | None:
-        """The programs ``jitted`` (from :meth:`jit`) traced so far: its traces, counted."""
-        traces = getattr(jitted, "traces", None)
-        return None if traces is None else traces[0]
-
-    def wrote_in_place(self, before: Any, after: Any) -> bool:
-        # a donated buffer is deleted and its memory handed to the result
-        return before.is_deleted()
-
-    def register(self, node: Node) -> None:
-        import jax
-
-        def with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-            leaves, static = node.flatten(obj)
-            keys = [jax.tree_util.GetAttrKey(n) for n in node.keys(static)]
-            return list(zip(keys, leaves)), static
-
-        try:
-            jax.tree_util.register_pytree_with_keys(node.cls, with_keys, node.unflatten,
-                                                    flatten_func=node.flatten)
-        except ValueError:  # registered already
-            pass
+class JaxBackend(JaxLibrary, JaxArrays, JaxCompiling, JaxServing, JaxChecking, Backend):
+    """JAX: the JAX parts, one per concern (the module says each)."""
 
 
 def _scatter(pool: Any, slots: Any, rows: Any) -> Any:

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Backend, inside
+from .arrays import StandardArrays
+from .base import Backend, Library, inside
+from .compiling import Eager
 
 
-class NumpyBackend(Backend):
+class NumpyLibrary(Library):
+    """numpy, through array-api-compat's namespace."""
+
     name = "numpy"
     module = "numpy"
-    donates = True
 
     def namespace(self) -> Any:
         import array_api_compat.numpy
 
         return array_api_compat.numpy
+
+
+class NumpyArrays(StandardArrays):
+    """Boolean-filtered stores (in place when donated) and takes, the kept rows found once
+    by an index's plans; every array lies in host memory."""
 
     def on_host(self, x: Any) -> bool:
         return True
@@ -70,8 +78,18 @@ class NumpyBackend(Backend):
             got[unseen] = 0
         return got
 
+
+class NumpyCompiling(Eager):
+    """No compiler; a donated store writes into the caller's array."""
+
+    donates = True
+
     def wrote_in_place(self, before: Any, after: Any) -> bool:
         return after is before
+
+
+class NumpyBackend(NumpyLibrary, NumpyArrays, NumpyCompiling, Backend):
+    """NumPy: the NumPy parts over the standard's serving and checking."""
 
 
 def _take(pool: Any, slots: Any) -> Any:

@@ -1,8 +1,10 @@
 """What each floor above asks of a backend, one small protocol per concern.
 
-:class:`~cacheidx.backends.base.Backend` implements all four, each member with a default
-written against the array API standard alone, so an adapter overrides only what its library
-does better; the layers above name the protocol they need rather than the whole class:
+Each is implemented by one part class (:mod:`cacheidx.backends.base` composes them: the
+standard's parts in ``Backend``, a library's own in its adapter), and the layers above name
+the protocol they need rather than the whole class. Attributes are read-only properties here:
+no floor writes them, and an adapter may narrow them (``modes = ("compiled",)``). mypy checks
+every built-in adapter against all four (tests/test_typing.py):
 
 - :class:`Arrays`: what the index and attention move data with (the index's ``backend``);
 - :class:`Compiling`: compiling a step, counting its programs, donation;
@@ -24,8 +26,10 @@ __all__ = ["Arrays", "Checking", "Compiling", "Serving"]
 class Arrays(Protocol):
     """Stores with drop, reads exactly zero where unseen, and where arrays lie."""
 
-    name: str
-    xp: Any
+    @property
+    def name(self) -> str: ...
+    @property
+    def xp(self) -> Any: ...
 
     def same_library(self, x: Any) -> bool: ...
     def tracing(self, x: Any) -> bool: ...
@@ -48,9 +52,12 @@ class Arrays(Protocol):
 class Compiling(Protocol):
     """A library's compiler: ``modes`` empty where it has none (``jit`` is then ``fn``)."""
 
-    modes: tuple[str, ...]
-    compiler: str | None
-    donates: bool
+    @property
+    def modes(self) -> tuple[str, ...]: ...
+    @property
+    def compiler(self) -> str | None: ...
+    @property
+    def donates(self) -> bool: ...
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled", compiler: str | None = None) -> Callable: ...
@@ -78,7 +85,8 @@ class Serving(Protocol):
 class Checking(Protocol):
     """What the law suite reports and controls: versions, devices, matrix precision."""
 
-    host: bool
+    @property
+    def host(self) -> bool: ...
 
     def version(self) -> str | None: ...
     def devices(self) -> list[Any]: ...

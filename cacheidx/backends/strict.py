@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Backend
+from .base import Backend, Library
+from .checking import HostChecking
 
 
-class StrictBackend(Backend):
+class StrictLibrary(Library):
+    """array-api-strict, boolean indexing and data-dependent shapes switched off."""
+
     name = "strict"
     module = "array_api_strict"
 
@@ -23,5 +26,15 @@ class StrictBackend(Backend):
         )
         return array_api_strict
 
+
+class StrictChecking(HostChecking):
+    """array-api-strict's one device."""
+
+    xp: Any
+
     def devices(self) -> list[Any]:
         return [self.xp.Device()]
+
+
+class StrictBackend(StrictLibrary, StrictChecking, Backend):
+    """array-api-strict: the standard's parts alone, over its library and device."""

@@ -20,64 +20,158 @@ from typing import Any, NamedTuple
 
 from ..laws import expand, inside
 from . import torch_rows
-from .base import Backend, Node, redirect_dropped
+from .arrays import StandardArrays, redirect_dropped
+from .base import Backend, Library, Node
+from .checking import HostChecking
+from .compiling import Eager
+from .serving import Composed, PlainServing
+
+__all__ = ["TorchArrays", "TorchBackend", "TorchChecking", "TorchCompiling", "TorchLibrary",
+           "TorchServing"]
 
 
-class StorePlan(NamedTuple):
-    """A store an index's plan keeps for every layer's pool of one size. ``how``: ``"host"`` (the
-    kept rows found once on the host: ``take`` the rows kept, ``None`` when all are, and
-    ``target`` their slots), ``"device"`` (``target`` the slots as int64, for the
-    ``cacheidx::store_rows_`` op, which skips a dropped row itself) or ``"traced"``."""
+# -- the plans an eager index keeps for every layer: one class per way, each its own store --
+class HostStore(NamedTuple):
+    """On the CPU: the kept rows found once on the host, ``take`` the rows kept (``None``
+    when all are) and ``target`` their slots; a store is the hand-written ``index_copy_``."""
 
-    how: str
     slots: Any
-    target: Any = None
+    target: Any
     take: Any = None
 
+    def store(self, pool: Any, rows: Any, donate: bool) -> Any:
+        if self.take is not None:
+            rows = rows.index_select(0, self.take)
+        # not donated, a clone keeps the pool's memory order (index_copy's result would be
+        # row-major whatever the pool's: cacheidx.attention.layout)
+        return (pool if donate else pool.clone()).index_copy_(0, self.target, rows)
 
-class ReadPlan(NamedTuple):
-    """A read an index keeps likewise. ``how``: ``"host"`` (``safe`` slots to select,
-    ``unseen`` the rows to zero, ``None`` when none is), ``"device"`` (``safe`` the slots as
-    int64 and ``ok`` contiguous, for the ``cacheidx::gated_rows`` op) or ``"traced"``."""
 
-    how: str
+class DeviceStore(NamedTuple):
+    """On a device: ``target`` the slots as int64, for the ``cacheidx::store_rows_`` op, which
+    skips a dropped row itself, in one kernel."""
+
+    slots: Any
+    target: Any
+
+    def store(self, pool: Any, rows: Any, donate: bool) -> Any:
+        import torch
+
+        out = pool if donate else pool.clone()
+        torch.ops.cacheidx.store_rows_(out, self.target, rows)
+        return out
+
+
+class TracedStore(NamedTuple):
+    """Traced slots: the store stays one functional expression (:func:`_scatter_functional`)."""
+
+    slots: Any
+    xp: Any
+
+    def store(self, pool: Any, rows: Any, donate: bool) -> Any:
+        return _scatter_functional(self.xp, pool, self.slots, rows, donate)
+
+
+class HostRead(NamedTuple):
+    """On the CPU: ``safe`` slots to select, ``unseen`` the rows to zero (``None`` when none
+    is): a select, then ``index_fill_`` of those rows only."""
+
     slots: Any
     ok: Any
-    safe: Any = None
+    safe: Any
     unseen: Any = None
 
+    def read(self, pool: Any) -> Any:
+        got = pool.index_select(0, self.safe)
+        return got if self.unseen is None else got.index_fill_(0, self.unseen, 0)
 
-class TorchBackend(Backend):
+
+class DeviceRead(NamedTuple):
+    """On a device: ``safe`` the slots as int64 and ``ok`` contiguous, for the
+    ``cacheidx::gated_rows`` op (one gated load per element)."""
+
+    slots: Any
+    ok: Any
+    safe: Any
+
+    def read(self, pool: Any) -> Any:
+        import torch
+
+        return torch.ops.cacheidx.gated_rows(pool, self.safe, self.ok)
+
+
+class TracedRead(NamedTuple):
+    """Traced slots: an index select under a ``where`` (:func:`_gather_functional`)."""
+
+    slots: Any
+    ok: Any
+    xp: Any
+
+    def read(self, pool: Any) -> Any:
+        return _gather_functional(self.xp, pool, self.slots, self.ok)
+
+
+class TorchLibrary(Library):
+    """torch, through array-api-compat's namespace; the index a ``torch.utils._pytree`` node."""
+
     name = "torch"
     module = "torch"
-    donates = True
-    modes = ("compiled", "dynamic", "automatic")
-    compiler = "inductor"
 
     def namespace(self) -> Any:
         import array_api_compat.torch
 
         return array_api_compat.torch
 
+    def register(self, node: Node) -> None:
+        """``node`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
+        the spec's walk paths, which ``torch.export`` needs), the static value its context,
+        which serialises as JSON so that ``torch.export.save`` takes it."""
+        import torch
+        import torch.utils._pytree as pytree
+
+        from . import get
+
+        if node.cls in pytree.SUPPORTED_NODES:
+            return
+        # torch.export.load unpickles example inputs weights-only: allow the node's parts
+        torch.serialization.add_safe_globals([node.cls, *node.safe, get])
+
+        def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            leaves, static = node.flatten(obj)
+            keys = [pytree.MappingKey(name) for name in node.keys(static)]
+            return list(zip(keys, leaves, strict=True)), static
+
+        pytree.register_pytree_node(
+            node.cls,
+            node.flatten,
+            lambda leaves, static: node.unflatten(static, leaves),
+            serialized_type_name="cacheidx.CacheIndex",
+            to_dumpable_context=node.dump,
+            from_dumpable_context=node.load,
+            flatten_with_keys_fn=flatten_with_keys,
+        )
+
+
+
+
+class TorchArrays(StandardArrays):
+    """Static-shape stores with drop and gated reads; eagerly through an index's plans (one
+    class per way: :class:`HostStore`, :class:`DeviceStore`, :class:`TracedStore` and their
+    reads), functional wherever :meth:`functional` says so."""
+
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
         """One indexed store of the tokens' rows; a store outside the pool stores nothing.
-        Eagerly, through ``store_plan`` and ``store``. Traced (compiled, under autograd or a
-        functorch transform), a store outside the pool is sent where it repeats a store that
+        Eagerly, through ``store_plan`` and ``store``. Where it must stay functional
+        (:meth:`functional`), a store outside the pool is sent where it repeats a store that
         happens anyway (``redirect_dropped``), so it can neither raise, wrap ``-1`` to the last
         slot, nor clobber a real write at slot 0; donated, the rows go into the caller's storage
         (``index_put_``; compiled by inductor, a store into the input buffer): the cost is in
         the tokens, never in the slots. Otherwise the pool is copied."""
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
-        if _traced(pool) or _traced(rows) or self.tracing(slots) or _traced(slots):
-            return self._scatter_traced(pool, slots, rows, donate)
+        if self.functional(pool, rows, slots):
+            return _scatter_functional(self.xp, pool, slots, rows, donate)
         return self.store(pool, self.store_plan(slots, pool.shape[0]), rows, donate=donate)
-
-    def _scatter_traced(self, pool: Any, slots: Any, rows: Any, donate: bool) -> Any:
-        target, rows = redirect_dropped(self.xp, pool, slots, rows, take=self.take)
-        if donate:
-            return pool.index_put_((target,), rows)
-        return pool.index_put((target,), rows)
 
     def take(self, x: Any, at: Any, axis: int = 0) -> Any:
         """``index_select``: array-api-compat's take adds a fix of negative indices (three more
@@ -87,105 +181,100 @@ class TorchBackend(Backend):
     def gather(self, pool: Any, slots: Any, ok: Any) -> Any:
         """Rows ``pool[slots]`` where ``ok``, exactly zero elsewhere.
 
-        Compiled, or under autograd (the values of a training step through a whole index) or
-        a functorch transform: an index select under a ``where``, which inductor fuses into
-        one gated load. Eagerly, through ``read_plan`` and ``read``."""
+        Where it must stay functional (compiled, under autograd: the values of a training step
+        through a whole index; a functorch transform): an index select under a ``where``, which
+        inductor fuses into one gated load. Eagerly, through ``read_plan`` and ``read``."""
         if pool.shape[0] == 0:
             return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
-        if _traced(pool) or self.tracing(slots) or _traced(slots):
-            return self._gather_traced(pool, slots, ok)
+        if self.functional(pool, slots):
+            return _gather_functional(self.xp, pool, slots, ok)
         return self.read(pool, self.read_plan(slots, ok, pool.shape[0]))
 
-    def _gather_traced(self, pool: Any, slots: Any, ok: Any) -> Any:
-        import torch
-
-        got = pool.index_select(0, torch.where(ok, slots, 0))
-        return torch.where(expand(self.xp, ok, pool.ndim), got, pool.new_zeros(()))
-
     # -- plans: an eager index finds, once for every layer, what its stores and reads need --
-    def store_plan(self, slots: Any, n: int) -> StorePlan:
+    def store_plan(self, slots: Any, n: int) -> HostStore | DeviceStore | TracedStore:
         """On the CPU the kept stores are found on the host, so a store is the hand-written one
         (``index_copy_``, after selecting the kept rows only where some are dropped); on a
         device, ``cacheidx::store_rows_`` skips the dropped ones itself, in one kernel."""
         import torch
 
-        if self.tracing(slots) or _traced(slots):
-            return StorePlan("traced", slots)
+        if self.functional(slots):
+            return TracedStore(slots, self.xp)
         if _on_host(slots):
             keep = inside(slots, n)
             if bool(keep.all()):
-                return StorePlan("host", slots, slots.long())
+                return HostStore(slots, slots.long())
             take = torch.nonzero(keep)[:, 0]
-            return StorePlan("host", slots, slots.index_select(0, take).long(), take)
+            return HostStore(slots, slots.index_select(0, take).long(), take)
         torch_rows.define()
-        return StorePlan("device", slots, slots.long().contiguous())
+        return DeviceStore(slots, slots.long().contiguous())
 
     def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
-        import torch
-
         if pool.shape[0] == 0 or rows.shape[0] == 0:
             return pool
-        if plan.how == "traced" or _traced(pool) or _traced(rows):
-            return self._scatter_traced(pool, plan.slots, rows, donate)
-        if plan.how == "host":
-            if plan.take is not None:
-                rows = rows.index_select(0, plan.take)
-            # not donated, a clone keeps the pool's memory order (index_copy's result would
-            # be row-major whatever the pool's: cacheidx.attention.layout)
-            return (pool if donate else pool.clone()).index_copy_(0, plan.target, rows)
-        out = pool if donate else pool.clone()
-        torch.ops.cacheidx.store_rows_(out, plan.target, rows)
-        return out
+        if self.functional(pool, rows):
+            return _scatter_functional(self.xp, pool, plan.slots, rows, donate)
+        return plan.store(pool, rows, donate)
 
-    def read_plan(self, slots: Any, ok: Any, n: int) -> ReadPlan:
+    def read_plan(self, slots: Any, ok: Any, n: int) -> HostRead | DeviceRead | TracedRead:
         """On the CPU the rows to zero are found on the host (a select, then ``index_fill_``
         of those rows only); on a device ``cacheidx::gated_rows`` reads in one kernel."""
         import torch
 
-        if self.tracing(slots) or _traced(slots):
-            return ReadPlan("traced", slots, ok)
+        if self.functional(slots):
+            return TracedRead(slots, ok, self.xp)
         if _on_host(slots, ok):
             safe = torch.where(ok, slots, 0)
             unseen = torch.nonzero(~ok)[:, 0]
-            return ReadPlan("host", slots, ok, safe, unseen if unseen.numel() else None)
+            return HostRead(slots, ok, safe, unseen if unseen.numel() else None)
         torch_rows.define()
-        return ReadPlan("device", slots, ok.contiguous(), slots.long().contiguous())
+        return DeviceRead(slots, ok.contiguous(), slots.long().contiguous())
 
     def read(self, pool: Any, plan: Any) -> Any:
-        import torch
-
         if pool.shape[0] == 0:
             return pool.new_zeros((plan.slots.shape[0], *pool.shape[1:]))
-        if plan.how == "traced" or _traced(pool):
-            return self._gather_traced(pool, plan.slots, plan.ok)
-        if plan.how == "host":
-            got = pool.index_select(0, plan.safe)
-            return got if plan.unseen is None else got.index_fill_(0, plan.unseen, 0)
-        return torch.ops.cacheidx.gated_rows(pool, plan.safe, plan.ok)
+        if self.functional(pool):
+            return _gather_functional(self.xp, pool, plan.slots, plan.ok)
+        return plan.read(pool)
 
-    def matmul(self, a: Any, b: Any) -> Any:
-        """``a @ b`` for a weight ``b`` ``[in, out]``. On the CPU in float32 under inference
-        mode: oneDNN's linear over ``b``'s transpose (a view), which at a few rows streams the
-        weight a third faster than MKL's GEMM behind ``@`` (its sums run in another order: the
-        last bits differ)."""
-        if _onednn_linear(a, b):
-            import torch
+    def to_device(self, x: Any, device: Any) -> Any:
+        return x.to(device)
 
-            return torch.ops.mkldnn._linear_pointwise(a, b.mT, None, "none", [None], "")
-        return a @ b
+    def device(self, x: Any) -> Any:
+        return x.device
 
-    def inference(self, fn: Callable) -> Callable:
-        """``fn`` under ``torch.inference_mode()``: no autograd bookkeeping per operation."""
-        import functools
-
+    def tracing(self, x: Any) -> bool:
         import torch
 
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with torch.inference_mode():
-                return fn(*args, **kwargs)
+        return torch.compiler.is_compiling() or isinstance(
+            x, torch._subclasses.fake_tensor.FakeTensor)
 
-        return run
+    def on_host(self, x: Any) -> bool:
+        """A plain CPU tensor, not traced: its memory is the host's, read with no copy (eager
+        CPU work is done when the call returns)."""
+        return _on_host(x) and not self.tracing(x)
+
+    def functional(self, *xs: Any) -> bool:
+        """Whether a store or read of ``xs`` must stay one functional expression: one of them
+        is traced (:meth:`tracing`, the one tracing predicate), autograd records one, or a
+        functorch transform (vmap, grad) is active."""
+        import torch
+
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return True  # tracing(x) for every x, and a transform: nothing more to ask
+        fake, grad = torch._subclasses.fake_tensor.FakeTensor, torch.is_grad_enabled()
+        for x in xs:  # tracing(x) for each (a fake tensor), or autograd recording it
+            if isinstance(x, fake) or (grad and x.requires_grad):
+                return True
+        return False
+
+
+class TorchCompiling(Eager):
+    """``torch.compile(fullgraph=True)``: inductor by default, any compiler it takes by name;
+    static, symbolic or automatic shapes; its programs counted on dynamo's cache."""
+
+    donates = True
+    modes = ("compiled", "dynamic", "automatic")
+    compiler = "inductor"
 
     def jit(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
             mode: str = "compiled", compiler: str | None = None) -> Callable:
@@ -218,6 +307,113 @@ class TorchBackend(Backend):
                                         specialize_int=True, fake_tensor_cache_enabled=False):
             yield
 
+    def programs(self, jitted: Callable) -> int | None:
+        # dynamo keeps one cache entry per program on the compiled function's code
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        fn = getattr(jitted, "_torchdynamo_orig_callable", jitted)
+        return len(_debug_get_cache_entry_list(fn.__code__))
+
+    def forget(self) -> None:
+        import torch
+
+        torch.compiler.reset()
+
+    def wrote_in_place(self, before: Any, after: Any) -> bool:
+        return after.data_ptr() == before.data_ptr()
+
+
+
+class TorchServing(PlainServing):
+    """A step compiled once per shape and replayed as a CUDA graph where inductor can; a
+    linear layer through oneDNN on the CPU; eager serving under inference mode."""
+
+    def jit_step(self: Composed, fn: Callable, *, donate_argnums: Sequence[int] = (),
+                 programs: int = 8, compiler: str | None = None) -> Callable:
+        """``jit``, and with inductor ``mode="reduce-overhead"``: on CUDA each shape's program
+        is recorded once as a CUDA graph and replayed, reading the arrays given to ``fix`` in
+        place (the others are copied into the graph's own buffers each call). Every shape
+        bucket is one more program of the same code, so dynamo may keep ``programs`` of them
+        (its default is 8, after which it would run eagerly)."""
+        import torch
+
+        compiler = self.named(compiler)
+        fn = _own_code(fn)
+        if compiler != "inductor":
+            compiled = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False)
+        else:
+            compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+        def step(*args: Any) -> Any:
+            # each call is a new iteration: the previous call's outputs are read already;
+            # room for ``programs`` shapes, for this step's calls alone (never process-wide)
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch._dynamo.config.patch(recompile_limit=max(8, programs)):
+                return compiled(*args)
+
+        step._torchdynamo_orig_callable = fn  # type: ignore[attr-defined]  # programs() counts them
+        return step
+
+    def static_shape(self, x: Any) -> Any:
+        import torch
+
+        torch._dynamo.mark_static(x)
+        return x
+
+    def fix(self, x: Any) -> Any:
+        import torch
+
+        torch._dynamo.mark_static_address(x)
+        return x
+
+    def refill(self, buffer: Any, values: Any) -> Any:
+        """``buffer`` holding ``values``, copied in (no copy where ``values`` is ``buffer``'s
+        memory, as a pool a compiled step stored into is)."""
+        import torch
+
+        if not isinstance(values, torch.Tensor):
+            values = torch.from_numpy(values)
+        elif values.data_ptr() == buffer.data_ptr() and values.shape == buffer.shape:
+            return buffer
+        return buffer.copy_(values)
+
+    def inference(self, fn: Callable) -> Callable:
+        """``fn`` under ``torch.inference_mode()``: no autograd bookkeeping per operation."""
+        import functools
+
+        import torch
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.inference_mode():
+                return fn(*args, **kwargs)
+
+        return run
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        """``a @ b`` for a weight ``b`` ``[in, out]``. On the CPU in float32 under inference
+        mode: oneDNN's linear over ``b``'s transpose (a view), which at a few rows streams the
+        weight a third faster than MKL's GEMM behind ``@`` (its sums run in another order: the
+        last bits differ)."""
+        if _onednn_linear(a, b):
+            import torch
+
+            return torch.ops.mkldnn._linear_pointwise(a, b.mT, None, "none", [None], "")
+        return a @ b
+
+
+
+class TorchChecking(HostChecking):
+    """torch's devices (the CPU, each CUDA device), its float32 matmul precision."""
+
+    def devices(self) -> list[Any]:
+        import torch
+
+        found = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            found += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return found
+
     def device_label(self, device: Any) -> str:
         from ..devices import label
 
@@ -244,132 +440,29 @@ class TorchBackend(Backend):
             return 23
         return {"highest": 23, "high": 10, "medium": 7}[torch.get_float32_matmul_precision()]
 
-    def jit_step(self, fn: Callable, *, donate_argnums: Sequence[int] = (),
-                 programs: int = 8, compiler: str | None = None) -> Callable:
-        """``jit``, and with inductor ``mode="reduce-overhead"``: on CUDA each shape's program
-        is recorded once as a CUDA graph and replayed, reading the arrays given to ``fix`` in
-        place (the others are copied into the graph's own buffers each call). Every shape
-        bucket is one more program of the same code, so dynamo may keep ``programs`` of them
-        (its default is 8, after which it would run eagerly)."""
-        import torch
-
-        compiler = self.named(compiler)
-        fn = _own_code(fn)
-        if compiler != "inductor":
-            compiled = torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False)
-        else:
-            compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-        def step(*args: Any) -> Any:
-            # each call is a new iteration: the previous call's outputs are read already;
-            # room for ``programs`` shapes, for this step's calls alone (never process-wide)
-            torch.compiler.cudagraph_mark_step_begin()
-            with torch._dynamo.config.patch(recompile_limit=max(8, programs)):
-                return compiled(*args)
-
-        step._torchdynamo_orig_callable = fn  # where programs() counts them
-        return step
-
-    def static_shape(self, x: Any) -> Any:
-        import torch
-
-        torch._dynamo.mark_static(x)
-        return x
-
-    def fix(self, x: Any) -> Any:
-        import torch
-
-        torch._dynamo.mark_static_address(x)
-        return x
-
-    def refill(self, buffer: Any, values: Any) -> Any:
-        """``buffer`` holding ``values``, copied in (no copy where ``values`` is ``buffer``'s
-        memory, as a pool a compiled step stored into is)."""
-        import torch
-
-        if not isinstance(values, torch.Tensor):
-            values = torch.from_numpy(values)
-        elif values.data_ptr() == buffer.data_ptr() and values.shape == buffer.shape:
-            return buffer
-        return buffer.copy_(values)
-
-    def to_device(self, x: Any, device: Any) -> Any:
-        return x.to(device)
-
-    def device(self, x: Any) -> Any:
-        return x.device
-
-    def devices(self) -> list[Any]:
-        import torch
-
-        found = [torch.device("cpu")]
-        if torch.cuda.is_available():
-            found += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return found
-
-    def tracing(self, x: Any) -> bool:
-        import torch
-
-        return torch.compiler.is_compiling() or isinstance(
-            x, torch._subclasses.fake_tensor.FakeTensor)
-
-    def on_host(self, x: Any) -> bool:
-        """A plain CPU tensor: its memory is the host's, read with no copy (eager CPU work is
-        done when the call returns)."""
-        return _on_host(x)
-
-    def programs(self, jitted: Callable) -> int | None:
-        # dynamo keeps one cache entry per program on the compiled function's code
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        fn = getattr(jitted, "_torchdynamo_orig_callable", jitted)
-        return len(_debug_get_cache_entry_list(fn.__code__))
-
-    def forget(self) -> None:
-        import torch
-
-        torch.compiler.reset()
-
-    def wrote_in_place(self, before: Any, after: Any) -> bool:
-        return after.data_ptr() == before.data_ptr()
-
-    def register(self, node: Node) -> None:
-        """``node`` as a node of ``torch.utils._pytree``: the tensors are its children (keyed by
-        the spec's walk paths, which ``torch.export`` needs), the static value its context,
-        which serialises as JSON so that ``torch.export.save`` takes it."""
-        import torch
-        import torch.utils._pytree as pytree
-
-        from . import get
-
-        if node.cls in pytree.SUPPORTED_NODES:
-            return
-        # torch.export.load unpickles example inputs weights-only: allow the node's parts
-        torch.serialization.add_safe_globals([node.cls, *node.safe, get])
-
-        def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-            leaves, static = node.flatten(obj)
-            keys = [pytree.MappingKey(name) for name in node.keys(static)]
-            return list(zip(keys, leaves, strict=True)), static
-
-        pytree.register_pytree_node(
-            node.cls,
-            node.flatten,
-            lambda leaves, static: node.unflatten(static, leaves),
-            serialized_type_name="cacheidx.CacheIndex",
-            to_dumpable_context=node.dump,
-            from_dumpable_context=node.load,
-            flatten_with_keys_fn=flatten_with_keys,
-        )
 
 
-def _traced(pool: Any) -> bool:
-    """Whether a read must stay one functional expression: under a compiler, where autograd
-    records ``pool``, or under a functorch transform (vmap, grad)."""
+class TorchBackend(TorchLibrary, TorchArrays, TorchCompiling, TorchServing, TorchChecking,
+                   Backend):
+    """PyTorch: the torch parts, one per concern (the module says each)."""
+
+
+def _scatter_functional(xp: Any, pool: Any, slots: Any, rows: Any, donate: bool) -> Any:
+    """The store as one functional expression over targets ``redirect_dropped`` made all
+    inside the pool; donated, into the caller's storage (``index_put_``)."""
+    target, rows = redirect_dropped(xp, pool, slots, rows,
+                                    take=lambda x, at: x.index_select(0, at))
+    if donate:
+        return pool.index_put_((target,), rows)
+    return pool.index_put((target,), rows)
+
+
+def _gather_functional(xp: Any, pool: Any, slots: Any, ok: Any) -> Any:
+    """The read as one functional expression: an index select under a ``where``."""
     import torch
 
-    return (torch.compiler.is_compiling() or (pool.requires_grad and torch.is_grad_enabled())
-            or torch._C._are_functorch_transforms_active())
+    got = pool.index_select(0, torch.where(ok, slots, 0))
+    return torch.where(expand(xp, ok, pool.ndim), got, pool.new_zeros(()))
 
 
 def _onednn_linear(a: Any, b: Any) -> bool:

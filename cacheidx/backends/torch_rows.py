@@ -75,7 +75,9 @@ def _rows(name: str, pool: Any, rows: Any, args: tuple, extra: tuple = ()) -> bo
     row_bytes = pool.element_size() * math.prod(pool.shape[1:])
     how = rowkernels.launch(rows.shape[0], row_bytes, (pool.data_ptr(), rows.data_ptr()),
                             slots=pool.shape[0])
-    run = None if how is None else kernel(name, how.word, pool.device.index)
+    if how is None:
+        return False
+    run = kernel(name, how.word, pool.device.index)
     if run is None:
         return False
     run(grid=(how.grid, 1, 1), block=(how.block, 1, 1),
