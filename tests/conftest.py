@@ -32,7 +32,7 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
-BACKENDS = ["numpy", "strict", "torch", "jax", "cupy"]
+BACKENDS = list(ci.backends.BUILTIN)  # every built-in adapter, in the registry's order
 
 
 @pytest.fixture(params=BACKENDS)

@@ -19,10 +19,31 @@ def huge(backend) -> int:
     return 2**40 if backend.xp.iinfo(info).bits == 64 else 2**31 - 1
 
 
-def test_every_builtin_adapter_is_an_entry_point():
+def test_every_builtin_adapter_is_registered_and_entry_points_add_to_them():
+    """The built-in list is written once (``backends.BUILTIN``); the group's entry points are
+    added over it (a third party's adapter, or an installed copy of the built-in ones)."""
+    assert list(ci.backends.BUILTIN) == ["numpy", "strict", "torch", "jax", "cupy"]
+    for name, target in ci.backends.BUILTIN.items():
+        assert target.startswith(f"cacheidx.backends.{name}:")
     eps = {ep.name: ep.value for ep in entry_points(group="cacheidx.backends")}
-    for name in ("numpy", "strict", "torch", "jax", "cupy"):
-        assert eps[name].startswith(f"cacheidx.backends.{name}:")
+    assert ci.backends.names()[:len(ci.backends.BUILTIN)] == list(ci.backends.BUILTIN)
+    assert set(ci.backends.names()) == set(ci.backends.BUILTIN) | set(eps)
+
+
+def test_a_registry_imports_a_target_only_when_its_name_is_loaded(monkeypatch):
+    """``cacheidx.registry.Registry``, the one loader of backends and attention's paths:
+    built-in targets, then the group's entry points over them, each module imported only
+    when its name is first loaded, once."""
+    import sys
+
+    from cacheidx.registry import Registry
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    plug = Registry("cacheidx.no-such-group", {"hsv": "colorsys:rgb_to_hsv"})
+    assert plug.names() == ["hsv"] and "colorsys" not in sys.modules
+    assert plug.load("hsv") is plug.load("hsv") is sys.modules["colorsys"].rgb_to_hsv
+    with pytest.raises(KeyError):
+        plug.load("nothing")
 
 
 def test_get_finds_the_adapter_an_array_needs():

@@ -14,8 +14,9 @@ backend is first made (a compiler tracing a call could not import it), never bef
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import Any, Protocol
+
+from ..registry import Registry
 
 __all__ = ["Path", "Products", "fast", "products"]
 
@@ -48,15 +49,9 @@ class Products(Protocol):
         """``p`` ``[1, kv, m, T]`` times ``values`` ``[1, T, kv, dv]``: ``[1, kv, m, dv]``."""
 
 
-def _targets() -> dict[str, str]:
-    found = dict(_BUILTIN)
-    for ep in entry_points(group=GROUP):
-        found[ep.name] = ep.value
-    return found
-
-
+_REGISTRY = Registry(GROUP, _BUILTIN)
 #: backend name -> its path's "module:attribute", read once at import (never under a tracer)
-_TARGETS = _targets()
+_TARGETS = _REGISTRY.targets()
 #: backend name -> its path, made when an index of its library first attends
 _MADE: dict[str, Any] = {}
 
@@ -68,10 +63,7 @@ def fast(backend: Any) -> Path | None:
         return None
     path = _MADE.get(name)
     if path is None:
-        import importlib
-
-        module, _, attr = _TARGETS[name].partition(":")
-        path = _MADE[name] = getattr(importlib.import_module(module), attr)()
+        path = _MADE[name] = _REGISTRY.load(name)()
     return path
 
 

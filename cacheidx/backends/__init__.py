@@ -1,9 +1,10 @@
 """The registry of backends: one small adapter per array library.
 
-Adapters are found through the entry-point group ``cacheidx.backends`` (this package registers
-its own there too), so a third party adds a library without touching cacheidx. An adapter's
-module is imported only when asked for by name or when the user's arrays come from its
-library: ``import cacheidx`` imports neither torch nor jax.
+The built-in adapters are :data:`BUILTIN`; others are found through the entry-point group
+``cacheidx.backends`` (:class:`cacheidx.registry.Registry`, the loader attention's paths use
+too), so a third party adds a library without touching cacheidx. An adapter's module is
+imported only when asked for by name or when the user's arrays come from its library:
+``import cacheidx`` imports neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ import os
 import threading
 from collections.abc import Callable
 from functools import cache
-from importlib.metadata import entry_points
 from typing import Any
 
 from ..laws import inside
+from ..registry import Registry
 from .base import Backend, Node, redirect_dropped
 from .protocols import Arrays, Checking, Compiling, Serving
 
-__all__ = ["Arrays", "Backend", "Checking", "Compiling", "Node", "Serving", "available", "get",
-           "inside", "names", "redirect_dropped", "use", "when_made"]
+__all__ = ["BUILTIN", "Arrays", "Backend", "Checking", "Compiling", "Node", "Serving",
+           "available", "get", "inside", "names", "redirect_dropped", "use", "when_made"]
 
 GROUP = "cacheidx.backends"
 
-# Kept beside the entry points so that a source checkout that was never installed still works.
-_BUILTIN = {
+#: the built-in adapters, the one list of them (the tests' backends fixture, the law suite and
+#: the registry read it): a third party adds its own under the entry-point group
+BUILTIN = {
     "numpy": "cacheidx.backends.numpy:NumpyBackend",
     "strict": "cacheidx.backends.strict:StrictBackend",
     "torch": "cacheidx.backends.torch:TorchBackend",
@@ -33,14 +35,11 @@ _BUILTIN = {
     "cupy": "cacheidx.backends.cupy:CupyBackend",
 }
 _ALIASES = {"array_api_strict": "strict", "jax.numpy": "jax"}
+_REGISTRY = Registry(GROUP, BUILTIN)
 
 
-@cache
 def _targets() -> dict[str, str]:
-    found = dict(_BUILTIN)
-    for ep in entry_points(group=GROUP):
-        found[ep.name] = ep.value
-    return found
+    return _REGISTRY.targets()
 
 
 def names() -> list[str]:
@@ -50,10 +49,7 @@ def names() -> list[str]:
 
 @cache
 def _class(name: str) -> type[Backend]:
-    import importlib
-
-    module, _, attr = _targets()[name].partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    cls = _REGISTRY.load(name)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise TypeError(f"cacheidx.backends: entry point {name!r} is not a Backend subclass")
     return cls
