@@ -166,13 +166,15 @@ def serve(lanes: int, context: int, repeat: int, backend: str = "numpy",
     finally:
         Step.run, Plan.part = run, part
     out: dict[str, Any] = {"carried": [], "anew": [], "parts": {"carried": [0, 0],
-                                                                 "anew": [0, 0]}}
+                                                                 "anew": [0, 0]},
+                           "index": {"carried": [], "anew": []}}
     decode = [s for s in steps if s[0] == "decode"]
     for k, (_, way, start, call, quiet, made) in enumerate(decode):
         if k in (0, repeat + 1):  # each way's first step warms up (anew: it starts over)
             continue
         t0, t1, t2 = model.calls[call]
         out[way].append((t1 - start) - (t2 - t1))
+        out["index"][way].append(t0 - start)  # the step's index made, before any layer
         if quiet:
             out["parts"][way][0] += made
             out["parts"][way][1] += 1
@@ -208,8 +210,9 @@ def main() -> None:
             print(f"{a.backend} {a.lanes} x {a.context} engine planning {name:>8}: median "
                   f"{statistics.median(ms):.3f} ms, min {ms[0]:.3f}, quartiles "
                   f"{statistics.quantiles(ms, n=4)[0]:.3f} to "
-                  f"{statistics.quantiles(ms, n=4)[2]:.3f} ({len(ms)} steps); read parts "
-                  f"made on {steps} steady steps: {made}")
+                  f"{statistics.quantiles(ms, n=4)[2]:.3f} ({len(ms)} steps), the index "
+                  f"made before the layers {1e3 * statistics.median(found['index'][name]):.3f}"
+                  f" ms; read parts made on {steps} steady steps: {made}")
         return
     if a.engine:
         import contextlib

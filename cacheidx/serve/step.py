@@ -213,7 +213,9 @@ class Step:
         hosts = [self._tables[g][3] for g in range(len(now))]
         if fed is not None and fed.indices is not None:  # eagerly, the plan carried (law 4)
             new_blocks = None if blocks is None else [self._blocks_of(blocks, columns)]
+            # a table the last call read is declared already: advanced over it as it is
             indices = tuple(
+                ix.advance() if t is ix.table and (g or new_blocks is None) else
                 ix.advance(table=t, blocks=new_blocks if g == 0 else None,
                            host=[h, *(self._tables[-1][3] for _ in new_blocks or ()
                                       if g == 0)])
