@@ -140,3 +140,22 @@ def test_a_decode_step_through_a_new_kind_is_softmax_over_extends_seen(backend):
     host = ci.devices.to_host
     want = reference(host(q), host(seen_k), host(seen_v), host(nxt.mask()))
     np.testing.assert_allclose(host(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_reader_tells_a_kind_of_pool_apart():
+    """Outside the kinds' own modules (and the law suite, which checks what a quantized pool
+    holds) nothing asks ``isinstance(x, Quantized)``: a reader asks the pool's kind."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ci.__file__).parent
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in ("pools.py", "quantized.py") or rel.startswith("conformance/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                    and len(node.args) == 2 and "Quantized" in ast.unparse(node.args[1])):
+                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
