@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..backends.protocols import Arrays
 from ..registry import Registry
 
 __all__ = ["Path", "Products", "fast", "products"]
@@ -56,7 +57,7 @@ _TARGETS = _REGISTRY.targets()
 _MADE: dict[str, Any] = {}
 
 
-def fast(backend: Any) -> Path | None:
+def fast(backend: Arrays) -> Path | None:
     """The fast path of ``backend``'s library, or ``None`` where it has none."""
     name = backend.name
     if name not in _TARGETS:
@@ -67,7 +68,7 @@ def fast(backend: Any) -> Path | None:
     return path
 
 
-def products(backend: Any, kpool: Any, vpool: Any) -> Products | None:
+def products(backend: Arrays, kpool: Any, vpool: Any) -> Products | None:
     """The products ``backend``'s path offers for views of these pools, or ``None``."""
     make = getattr(fast(backend), "products", None)
     return None if make is None else make(backend, kpool, vpool)

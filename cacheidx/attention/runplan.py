@@ -159,11 +159,11 @@ def plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: b
         slots = table[b, cols]
         if not np.all(inside(slots, n)):
             return None  # a hole or a dropped slot: the tiles read it as zero
-        breaks = np.flatnonzero((np.diff(cols) != 1) | (np.diff(slots) != 1)) + 1
+        breaks: np.ndarray = np.flatnonzero((np.diff(cols) != 1) | (np.diff(slots) != 1)) + 1
         if breaks.size >= MOST_RUNS:
             return None
         starts, ends = np.r_[0, breaks].astype(int), np.r_[breaks, cols.size].astype(int)
-        one = None if whole is not None else one_lane(on_host, b)
+        one: Any = None if whole is not None else one_lane(on_host, b)
         blocks: Blocks = []
         for i0, i1 in _spans(index.seq, ROWS):
             size = tile or max(16, scores // ((i1 - i0) * heads))
@@ -262,7 +262,7 @@ def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: i
         if width < SHARED:
             continue
         slots = table[lanes[0], :width]
-        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        breaks: np.ndarray = np.flatnonzero(np.diff(slots) != 1) + 1
         if breaks.size >= MOST_RUNS:
             continue  # a prefix of scattered pages: each lane's tiles read it
         size = tile or max(16, scores // (len(lanes) * seq * heads))

@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import masks, pools
 from .. import plan as plans
+from ..backends.protocols import Arrays
 from . import layout, paths, runplan
 from .runplan import (
     SHARED,
@@ -93,7 +94,7 @@ def place(index: Any, runs: Runs | None, n: int, kept: dict[int, Any] | None = N
     read back), the read plans of tiles ``kept`` already holds reused. ``None`` for no runs."""
     if not runs:
         return None
-    backend = index.backend
+    backend: Arrays = index.backend  # all a placement asks of the backend
     put = functools.partial(backend.from_host, device=index.device)
     kept = kept or {}
     gathered = {}
@@ -115,7 +116,7 @@ def carry(index: Any, nxt: Any, key: tuple, placed: Placed | tuple) -> Placed | 
     """The placed runs of ``nxt = index.advance()`` (:func:`.runplan.carry` where the plan
     follows), the gathered tiles' read plans kept; ``None`` where the plan does not follow or
     there were no runs (``()``, the part kept where the runs decline a call)."""
-    if not placed:
+    if not isinstance(placed, Placed):
         return None
     runs = runplan.carry(index, nxt, key, placed.runs)
     return None if runs is None else place(nxt, runs, key[0], placed.gathered)
