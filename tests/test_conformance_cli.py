@@ -4,10 +4,15 @@ runs, and a report that cannot be written at the end is printed rather than lost
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
+import time
 
 import pytest
 
+import cacheidx as ci
+from cacheidx.conformance import LAWS, Law, runner
 from cacheidx.conformance import __main__ as cli
 
 
@@ -56,123 +61,129 @@ def test_the_help_states_the_exit_status(capsys):
         in " ".join(capsys.readouterr().out.split())
 
 
-def test_one_worker_runs_the_jobs_of_its_backend_one_after_another():
-    """A worker reads a job a line and reports each, so a backend's library is imported once
-    for all its jobs; the runner hands a worker the jobs of its own backend only."""
-    import subprocess
-    import sys
+# what a pool's process runs in these tests, in place of runner._work: functions of this module,
+# which the spawned processes import by name (a monkeypatch reaches only this process)
 
-    from cacheidx.conformance import runner
+def _work_where(*args):
+    """A job, and the process it ran in with the libraries it holds."""
+    report = runner._work(*args)
+    return {**report, "pid": os.getpid(), "strict": "array_api_strict" in sys.modules}
 
-    job = {"backend": "numpy", "device": "cpu", "modes": ["eager"], "family": None}
-    lines = "".join(json.dumps({**job, "family": f}) + "\n" for f in ("model", "index"))
-    done = subprocess.run([sys.executable, "-m", "cacheidx.conformance.worker"], input=lines,
-                          capture_output=True, text=True, timeout=120, check=True)
-    reports = [json.loads(x[len(runner.REPORT):]) for x in done.stdout.splitlines()
-               if x.startswith(runner.REPORT)]
-    assert [sorted(r["modes"]["eager"]["laws"]) for r in reports] == [
-        sorted(law.name for law in runner.LAWS if law.family == f and law.runs("eager"))
-        for f in ("model", "index")]
-    ran = []
-    monkeypatch = pytest.MonkeyPatch()
-    with monkeypatch.context() as m:
-        real = runner._Worker.give
-        m.setattr(runner._Worker, "give",
-                  lambda w, j, o: (ran.append((w.proc.pid, w.t["backend"])), real(w, j, o)))
-        report = runner.run(["numpy", "strict"], modes=["eager"], workers=2, progress=None)
-    assert all(e["status"] == "pass" for e in report)
+
+def _work_with(law_fn, *args):
+    """A job with one law more, ``law_fn``'s, among the index's."""
+    LAWS.append(Law(law_fn.__name__.removeprefix("law_"), law_fn, ""))
+    return runner._work(*args)
+
+
+def law_crashes_its_process(case):
+    os._exit(3)
+
+
+def law_hangs(case):
+    time.sleep(600)
+
+
+def _work_crashing(*args):
+    return _work_with(law_crashes_its_process, *args)
+
+
+def _work_hanging(*args):
+    return _work_with(law_hangs, *args)
+
+
+def _refuses(fn, *args):
+    if os.environ.get("CACHEIDX_TEST_SETTING"):  # as a library that rejects a setting: gone
+        os._exit(3)
+    return fn(*args)
+
+
+def _work_refusing(*args):
+    return _refuses(runner._work, *args)
+
+
+def _devices_refusing(*args):
+    return _refuses(runner._devices, *args)
+
+
+def _todo(name, families):
+    return [({"backend": name, "device": "cpu"}, (["eager"], f)) for f in families]
+
+
+def test_a_pools_process_runs_jobs_of_one_backend_only():
+    """A pool per backend and device: a process imports its library once for all its jobs,
+    and never holds another backend's library."""
+    families = ("index", "model", "attention")
+    reports = []
+    with pytest.MonkeyPatch().context() as m, runner._Pools(2, runner.TIMEOUT) as pools:
+        m.setattr(runner, "_work", _work_where)
+        pools.run(_todo("numpy", families) + _todo("strict", families), {},
+                  lambda t, job, report: reports.append(report))
+    assert all(r["modes"]["eager"]["laws"] for r in reports) and len(reports) == 6
     by = {}
-    for pid, name in ran:
-        by.setdefault(pid, set()).add(name)
-    assert all(len(names) == 1 for names in by.values())
+    for r in reports:
+        by.setdefault(r["pid"], set()).add(r["backend"])
+        assert r["strict"] == (r["backend"] == "strict")
+    assert all(len(names) == 1 for names in by.values()) and len(by) < 6
 
 
-def test_a_worker_finds_its_backends_devices_and_says_why_not():
-    """The runner asks each library's first worker for its devices (the main process never
-    imports the library); a backend that cannot start is a reason, not a crash."""
-    import queue
+def test_a_crashing_law_fails_naming_itself_and_its_backend(capsys):
+    """A law that ends its process is a failure of its backend's row that names the law (the
+    job ran once more, alone, and ended again), and the run goes on."""
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(runner, "_work", _work_crashing)
+        assert cli.main(["--backend", "numpy", "--backend", "strict", "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "numpy/cpu: the job eager ended its process in crashes_its_process [eager]" in out
+    assert out.count("| FAIL |") == 2
 
-    from cacheidx.conformance import runner
 
-    w = runner._Worker({"backend": "numpy", "device": "cpu"}, {}, queue.Queue())
-    try:
-        w.ask()
-        assert w.answer() == ["cpu"]
-        w.t = {"backend": "no-such-backend", "device": "cpu"}
-        w.ask()
-        with pytest.raises(RuntimeError, match="no-such-backend"):
-            w.answer()
-    finally:
-        w.close()
-    assert w.ended() == "" and w.proc.returncode == 0
+def test_a_hanging_law_fails_after_the_timeout_naming_itself():
+    """A law past the timeout ends its process (faulthandler's watchdog), with its traceback,
+    not run again: the run never hangs."""
+    began = time.perf_counter()
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(runner, "_work", _work_hanging)
+        report = runner.run(["numpy"], modes=["eager"], workers=2, progress=None, timeout=3)
+    assert time.perf_counter() - began < 60
+    (entry,) = report
+    assert entry["status"] == "FAIL" and entry["passed"] == 0
+    assert "the job eager ran past 3 s in hangs [eager]" in entry["error"]
+    assert "in law_hangs" in entry["error"]  # the traceback faulthandler wrote
+
+
+@pytest.mark.parametrize("name", ["strict", "numpy"], ids=["device question", "job"])
+def test_a_process_that_ends_before_it_answers_is_started_again_without_settings(name):
+    """A library that rejects a checking setting ends its process at once: the question of its
+    devices (strict, not imported here) or its job (numpy) is asked again in a process without
+    the settings, and the run passes."""
+    cls = ci.backends._class(name)
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(cls, "checking_env", classmethod(lambda c, d: {"CACHEIDX_TEST_SETTING": "1"}))
+        m.setattr(runner, "_work", _work_refusing)
+        m.setattr(runner, "_devices", _devices_refusing)
+        m.delitem(sys.modules, "array_api_strict", raising=False)  # so its devices are asked
+        report = runner.run([name], modes=["eager"], workers=2, progress=None)
+    assert [e["status"] for e in report] == ["pass"]
+
+
+def test_a_backend_that_cannot_start_is_a_reason_not_a_crash():
     found = runner.targets(["numpy"], found_by=lambda name: (_ for _ in ()).throw(
         RuntimeError("no library")))
     assert found == [{"backend": "numpy", "device": "-", "status": "broken: no library"}]
 
 
-@pytest.mark.parametrize("name", ["strict", "numpy"], ids=["first worker", "later worker"])
-def test_a_worker_that_ends_before_it_answers_is_started_again_without_settings(name):
-    """A library that rejects a checking setting ends its worker before it answers: the
-    runner starts it again without the settings, with the job it had, and the run passes;
-    so for a library's first worker (asked for its devices: strict, not imported here) and
-    for a worker started for a job (numpy, imported)."""
-    import subprocess
-    import sys
-
-    from cacheidx.conformance import runner
-
-    real = runner._spawn
-    started = []
-
-    def spawn(name, device, options, *, tuned=True):
-        started.append(tuned)
-        if tuned:  # as a library refusing a setting: gone before a word
-            return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-        return real(name, device, options, tuned=tuned)
-
+def test_jobs_that_compile_start_first_the_index_laws_first():
+    """The longest first, so that the last to start are short: a job of a compiled mode
+    before an eager one, the index's laws (the most) before the others'."""
+    if not ci.backends._class("torch").usable()[0]:
+        pytest.skip("torch is not installed: no compiled mode to order")
+    todo = []
     with pytest.MonkeyPatch().context() as m:
-        m.setattr(runner, "_spawn", spawn)
-        m.delitem(sys.modules, "array_api_strict", raising=False)  # so it gets a first worker
-        report = runner.run([name], modes=["eager"], workers=2, progress=None)
-    assert started[:2] == [True, False]
-    assert [e["status"] for e in report] == ["pass"]
-
-
-def test_the_longest_job_left_starts_whenever_a_worker_frees():
-    """Whenever a worker frees, the longest job left starts (the jobs come longest first), in
-    a free worker of its backend where there is one, else in a new one; a free worker none of
-    whose jobs are left ends."""
-    from cacheidx.conformance import runner
-
-    made, started = [], []
-
-    class Worker:  # a worker whose every job reports at once
-        def __init__(self, t, options, inbox, *, tuned=True):
-            self.t, self.inbox, self.tuned = t, inbox, tuned
-            self.job, self.reported, self.began, self.closed = None, 0, 0.0, False
-            made.append(self)
-
-        def give(self, job, options):
-            self.job = job
-            started.append((job[1], made.index(self)))
-            self.inbox.put((self, json.dumps({"backend": self.t["backend"], "modes": {}})))
-
-        def close(self):
-            self.closed = True
-
-    def on(name):
-        return {"backend": name, "device": "cpu"}
-
-    todo = [(on("torch"), (["compiled"], "longest")), (on("jax"), (["eager"], "second")),
-            (on("jax"), (["compiled"], "third")), (on("torch"), (["eager"], "last"))]
-    finished = []
-    with pytest.MonkeyPatch().context() as m:
-        m.setattr(runner, "_Worker", Worker)
-        runner._parallel(todo, {}, 2, lambda t, job, report: finished.append(job[1]))
-    # the torch worker frees first: the third job, JAX's, starts in a new worker (JAX's first
-    # is busy), and the torch worker waits for the last, torch's, which it takes next
-    assert started == [("longest", 0), ("second", 1), ("third", 2), ("last", 0)]
-    assert sorted(finished) == sorted(j[1] for _, j in todo)
-    assert [w.closed for w in made] == [True, True, True]
+        m.setattr(runner._Pools, "devices", lambda self, names: lambda name: ["cpu"])
+        m.setattr(runner._Pools, "run", lambda self, jobs, options, done: todo.extend(jobs))
+        runner.run(["numpy", "torch"], workers=2, progress=None)
+    assert [(t["backend"], job) for t, job in todo] == [
+        ("torch", (["eager", "compiled"], "index")), ("torch", (["dynamic"], "index")),
+        ("torch", (["eager", "compiled", "dynamic"], "attention")),
+        ("torch", (["eager", "compiled", "dynamic"], "model")), ("numpy", (["eager"], None))]

@@ -1,33 +1,46 @@
 """Run the law suite on every backend and device of this machine, in every mode.
 
 The work is cut into jobs, one per backend, device and law family (:func:`jobs`), each running
-the backend's modes one after another in one process. Jobs run in worker processes, as many at
-once as the machine has cores, the longest first; a worker runs jobs of one backend and device
-only (it imports its library once for all of them), so a backend's compiler caches and settings
-never leak into another's, and the first worker of each library finds its devices, so this
-process imports none (:func:`_scouts`); ``workers=1`` runs them here, one after another.
+the backend's modes one after another in one process. Jobs run in process pools
+(:class:`concurrent.futures.ProcessPoolExecutor`), one per backend and device, as many jobs at
+once over all the pools as the machine has cores: a library reads its settings for checking from
+the environment when it is imported (:meth:`Backend.checking_env
+<cacheidx.backends.Backend.checking_env>`; XLA's differ by device), and its compiler caches stay
+its own; a pool's processes import their library once for all its jobs. The pools also find each
+library's devices, so this process imports none. ``workers=1`` runs every job here, one after
+another.
+
+In a pool a job runs under a watchdog (:func:`faulthandler.dump_traceback_later`): a law, or a
+library's start, that runs past ``timeout`` seconds ends its process, so neither a crash nor a
+hang stops the run. A job whose process ended (when one of a pool's processes dies, the pool ends
+them all) runs once more, alone, in a process without the checking settings (a library may
+reject one); ending again, or out of time, it is a failure that names its backend, device and
+the law it was in, with the end of what its process printed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
+import multiprocessing
 import os
 import platform
-import queue
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .. import backends, devices
 from .precision import Precision
 from .suite import DEFAULT_MODES, LAWS, MODES, Case, Session, compiler_for
 
-__all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing"]
+__all__ = ["targets", "jobs", "run_job", "run", "table", "machine", "DeviceMissing", "TIMEOUT"]
 
 
 class DeviceMissing(ValueError):
@@ -117,9 +130,11 @@ def run_one(law: Any, case: Case) -> str | None:
 
 
 def run_job(name: str, device: str, modes: list[str], *, family: str | None = None,
-            precision: str = "highest", torch_compiler: str | None = None) -> dict:
+            precision: str = "highest", torch_compiler: str | None = None,
+            before: Callable[[str], None] | None = None) -> dict:
     """Every law (of ``family``, or all) on one backend and device in each of ``modes``:
-    outcomes, facts and times."""
+    outcomes, facts and times. ``before(what)`` is told each law (``"name [mode]"``) before it
+    runs."""
     backend = backends.get(name)
     where = devices.resolve(backend, device)
     policy = Precision.named(precision, backend, where)
@@ -134,6 +149,8 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
             for law in LAWS:
                 if not law.runs(mode) or family not in (None, law.family):
                     continue
+                if before is not None:
+                    before(f"{law.name} [{mode}]")
                 case = Case(backend, where, mode=mode, session=session)
                 began = time.process_time()
                 failure = run_one(law, case)
@@ -148,304 +165,256 @@ def run_job(name: str, device: str, modes: list[str], *, family: str | None = No
     return out
 
 
-#: the line a worker starts each job's report with (anything else a law prints is not one)
-REPORT = "cacheidx-conformance-report "
-
-
-def _spawn(name: str, device: str, options: dict, *, tuned: bool = True) -> subprocess.Popen:
-    """A worker for jobs of backend ``name``: it reads a job a line on its standard input and
-    writes each one's report as a :data:`REPORT` line, till its input closes. ``tuned``: with
-    the backend's settings for checking (a library that rejects one of them fails at once, and
-    the job is started again without them)."""
-    # one thread a worker: the workers already fill the cores, and every tensor is tiny
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if tuned:
-        env.update(backends._class(name).checking_env(device))
-    return subprocess.Popen([sys.executable, "-m", "cacheidx.conformance.worker"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _spec(t: dict, job: tuple[list[str], str | None], options: dict) -> str:
-    modes, family = job
-    return json.dumps({"backend": t["backend"], "device": t["device"], "modes": modes,
-                       "family": family, **options})
-
-
-class _Worker:
-    """A worker process and the job it runs; a thread reads its reports into ``inbox`` (and
-    ``None`` when it ends) and another keeps its standard error, so neither pipe fills."""
-
-    def __init__(self, t: dict, options: dict, inbox: queue.Queue, *, tuned: bool = True):
-        self.t, self.tuned, self.job, self.began = t, tuned, None, 0.0
-        self.inbox, self._lock = inbox, threading.Lock()
-        self.proc = _spawn(t["backend"], t["device"], options, tuned=tuned)
-        self.err: list[str] = []
-        self.reported = 0
-        threading.Thread(target=self._read, daemon=True).start()
-        self._errors = threading.Thread(target=lambda: self.err.extend(self.proc.stderr),
-                                        daemon=True)
-        self._errors.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPORT):
-                self._put(line[len(REPORT):])
-        self._put(None)
-
-    def _put(self, line: str | None) -> None:
-        with self._lock:
-            self.inbox.put((self, line))
-
-    def redirect(self, inbox: queue.Queue) -> None:
-        """Its reports go to ``inbox`` from now on, with those not yet read."""
-        with self._lock:
-            old, self.inbox = self.inbox, inbox
-            while not old.empty():
-                inbox.put(old.get())
-
-    def ask(self) -> None:
-        """Ask for its backend's devices (:func:`labels`), found in the worker, which imports
-        its library to answer: the main process never imports it."""
-        self._send(json.dumps({"devices": self.t["backend"]}))
-
-    def answer(self) -> list[str] | None:
-        """The answer to :meth:`ask`; ``None`` where the worker ended first (a setting its
-        library rejects, say). Raises where the library fails to start."""
-        _, line = self.inbox.get()
-        if line is None:
-            return None
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply["devices"]
-
-    def _send(self, line: str) -> None:
-        with contextlib.suppress(OSError):  # it ended: its reader says so
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-
-    def give(self, job: tuple, options: dict) -> None:
-        self.job, self.began = job, time.perf_counter()
-        self._send(_spec(self.t, job, options))
-
-    def restarted(self, options: dict, *, ask: bool = False) -> _Worker:
-        """A worker in its place without the checking settings (this one ended before it
-        answered: a setting its library rejects, say), into the same inbox, asked for its
-        devices again where ``ask``, then given its job again."""
-        again = _Worker(self.t, options, self.inbox, tuned=False)
-        if ask:
-            again.ask()  # first: the answer is the first line it writes
-        if self.job is not None:
-            again.give(self.job, options)
-        return again
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-
-    def ended(self) -> str:
-        """Its standard error, whole, once it has ended."""
-        self.proc.wait()
-        self._errors.join()
-        return "".join(self.err)
+#: seconds a law, or a library's start, may run in a pool before its process is ended
+TIMEOUT = 300.0
 
 
 def run(names: list[str] | None = None, device: str | None = None, *,
         modes: list[str] | None = None, precision: str = "highest",
         torch_compiler: str | None = None, workers: int | None = None,
-        progress: Any = sys.stderr) -> list[dict]:
-    """The report: one entry per backend and device, each mode's laws in it."""
+        progress: Any = sys.stderr, timeout: float = TIMEOUT) -> list[dict]:
+    """The report: one entry per backend and device, each mode's laws in it. ``workers``: jobs
+    at once (one per core; 1 runs them here); ``timeout``: the seconds a law, or a library's
+    start, may run in a pool."""
     workers = workers or os.cpu_count() or 1
     options = {"precision": precision, "torch_compiler": torch_compiler}
-    scouts, started = ({}, []) if workers == 1 else _scouts(names, options, workers, device,
-                                                             modes)
-
-    def found_by(name: str) -> list[str]:
-        if name not in scouts:
-            return labels(name)
-        w = scouts[name]
-        got = w.answer()
-        if got is None and w.tuned:  # ended before it answered: again, without the settings
-            old, w = w, w.restarted(options, ask=True)
-            scouts[name], started[started.index(old)] = w, w
-            got = w.answer()
-        if got is None:
-            err = w.ended().strip()
-            raise RuntimeError(err.splitlines()[-1] if err else
-                               f"its worker ended with {w.proc.returncode}")
-        return got
-
-    try:
-        found = targets(names, device, found_by=found_by)
-    except BaseException:
-        for w in started:
-            w.close()
-        raise
-    for t in found:  # a backend without the modes asked for is skipped, never a failure
-        if t["status"] == "run" and not jobs(t, modes):
-            has = ["eager", *backends._class(t["backend"]).modes]
-            t["status"] = (f"skipped: {t['backend']} has no {' or '.join(modes or [])} mode "
-                           f"(it has {', '.join(has)})")
-    todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
-    todo.sort(key=lambda tj: _weight(tj[0]["backend"], *tj[1]), reverse=True)
-    for w in started:  # the first jobs run already
-        ran = next((i for i, (t, job) in enumerate(todo) if _same(t, w.t) and job == w.job), None)
-        if ran is not None:
-            w.t = todo.pop(ran)[0]
-    results: dict[tuple[str, str], list[dict]] = {}
     say = (lambda msg: print(msg, file=progress, flush=True)) if progress else (lambda m: None)
-
-    def label(t: dict, job: tuple) -> str:
-        return f"{t['backend']}/{t['device']} {'+'.join(job[0])}" + (
-            f" ({job[1]} laws)" if job[1] else "")
+    results: dict[tuple[str, str], list[dict]] = {}
 
     def done(t: dict, job: tuple, report: dict) -> None:
         results.setdefault((t["backend"], t["device"]), []).append(report)
-        say(f"{label(t, job)}: {_summary(report)}")
+        say(f"{t['backend']}/{t['device']} {'+'.join(job[0])}"
+            + (f" ({job[1]} laws)" if job[1] else "") + f": {_summary(report)}")
 
-    start = time.perf_counter()
-    if workers == 1:
-        for t, job in todo:
-            done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1], **options))
-    else:
-        _parallel(todo, options, workers, done, idle=started)
-    report = []
-    for t in found:
-        if t["status"] != "run":
-            report.append(dict(t))
-            continue
-        report.append(_entry(t, results.get((t["backend"], t["device"]), [])))
+    with contextlib.ExitStack() as stack:
+        pools = None if workers == 1 else stack.enter_context(_Pools(workers, timeout))
+        found_by = labels if pools is None else pools.devices(names)
+        found = targets(names, device, found_by=found_by)
+        for t in found:  # a backend without the modes asked for is skipped, never a failure
+            if t["status"] == "run" and not jobs(t, modes):
+                has = ["eager", *backends._class(t["backend"]).modes]
+                t["status"] = (f"skipped: {t['backend']} has no {' or '.join(modes or [])} "
+                               f"mode (it has {', '.join(has)})")
+        todo = [(t, job) for t in found if t["status"] == "run" for job in jobs(t, modes)]
+        # the longest first, so that the last to start are short: a job that compiles before one
+        # that does not, the index's laws (the most) before the others
+        todo.sort(key=lambda tj: (tj[1][0] == ["eager"], tj[1][1] != "index"))
+        start = time.perf_counter()
+        if pools is None:
+            for t, job in todo:
+                done(t, job, run_job(t["backend"], t["device"], job[0], family=job[1],
+                                     **options))
+        else:
+            pools.run(todo, options, done)
+    report = [dict(t) if t["status"] != "run"
+              else _entry(t, results.get((t["backend"], t["device"]), [])) for t in found]
     say(f"all jobs: {time.perf_counter() - start:.1f} s")
     return report
 
 
-def _same(a: dict, b: dict) -> bool:
-    return (a["backend"], a["device"]) == (b["backend"], b["device"])
+#: the line a job's trail gives before each law (what the laws print is not one)
+_AT = "cacheidx-conformance: in "
 
 
-def _scouts(names: list[str] | None, options: dict, workers: int, device: str | None,
-            modes: list[str] | None) -> tuple[dict[str, _Worker], list[_Worker]]:
-    """The first workers, started at once: one for each backend whose library the main process
-    has not imported (those that compile first), asked for its backend's devices
-    (:meth:`_Worker.ask`), and, where the run takes the host, the ``workers`` longest of those
-    backends' jobs on it (where the library computes there: :attr:`Backend.host
-    <cacheidx.backends.Backend.host>`), each given to its backend's first worker, or to one more
-    of that backend, before any answer comes. The libraries load side by side, in the processes
-    that use them; none waits for another's devices, and the longest jobs start first whatever
-    their backend. Returns the first worker of each backend, and every worker started."""
-    found = []
-    for name in names or backends.names():
+def _start(env: dict[str, str]) -> None:
+    """A pool's process: its backend's settings, its output away from the run's until a job
+    gives it a trail (:func:`_trail`)."""
+    os.environ.update(env)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+
+
+@contextlib.contextmanager
+def _trail(path: str, timeout: float) -> Iterator[Callable[[str], None]]:
+    """What a job prints into the file ``path``, with each step it is told (``at(what)``, a
+    :data:`_AT` line) and, where its process dies or a step runs past ``timeout`` seconds (the
+    watchdog then ends the process), every thread's traceback."""
+    with open(path, "w") as f:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        faulthandler.enable(f)
+
+        def at(what: str) -> None:
+            print(_AT + what, flush=True)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=f)
+
         try:
-            cls = backends._class(name)
-        except Exception:  # targets() reports it
-            continue
-        if cls.module is not None and cls.module not in sys.modules and cls.usable()[0]:
-            found.append((not cls.modes, name, cls))
-    first, host = {}, []
-    for _, name, cls in sorted(found, key=lambda f: f[:2])[:workers]:
-        t = {"backend": name, "device": "cpu"}
-        w = first[name] = _Worker(t, options, queue.Queue())
-        w.ask()
-        if cls.host and device in (None, "cpu"):
-            host += [(t, job) for job in jobs(t, modes)]
-    started = list(first.values())
-    for t, job in sorted(host, key=lambda tj: _weight(tj[0]["backend"], *tj[1]),
-                         reverse=True)[:workers]:
-        w = first[t["backend"]]
-        if w.job is not None:
-            w = _Worker(t, options, queue.Queue())
-            started.append(w)
-        w.give(job, options)
-    return first, started
+            yield at
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            faulthandler.disable()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
+            os.close(quiet)
 
 
-def _parallel(todo: list[tuple[dict, tuple]], options: dict, workers: int, done: Any, *,
-              idle: list[_Worker] = ()) -> None:
-    """Run ``todo`` (longest first) in at most ``workers`` busy processes at once: whenever one
-    frees, the longest job left starts (the last to start are short), in a free worker of its
-    backend and device where there is one (its library imported already; a backend's compiler
-    caches never meet another's), else in a new one; a free worker none of whose jobs are left
-    ends. ``idle``: workers started already (:func:`_scouts`), each running its job or free."""
-    pending, inbox = list(todo), queue.Queue()
-    busy, free = [], []
-
-    def fill() -> None:
-        while pending and len(busy) < workers:
-            t, job = pending.pop(0)
-            w = next((w for w in free if _same(w.t, t)), None)
-            if w is None:
-                w = _Worker(t, options, inbox)
-            else:
-                free.remove(w)
-            w.t = t
-            w.give(job, options)
-            busy.append(w)
-        for w in [w for w in free if not any(_same(t, w.t) for t, _ in pending)]:
-            free.remove(w)
-            w.close()
-
-    def finish(w: _Worker, out: str, err: str, code: int) -> None:
-        report = _read(out, err, w.t, w.job, code)
-        report["wall_seconds"] = round(time.perf_counter() - w.began, 2)
-        job, w.job = w.job, None
-        done(w.t, job, report)
-
-    for w in idle:
-        w.redirect(inbox)
-        (busy if w.job is not None else free).append(w)
-    fill()
-    while busy:
-        w, line = inbox.get()
-        if line is not None:  # a job's report
-            w.reported += 1
-            finish(w, line, "", 0)
-            busy.remove(w)
-            free.append(w)
-            fill()
-            continue
-        err = w.ended()  # the worker ended: closed when free, or in the middle of a job
-        if w in free:
-            free.remove(w)
-        if w not in busy:
-            continue
-        busy.remove(w)
-        if w.tuned and not w.reported:  # rejected a setting before it began: again
-            busy.append(w.restarted(options))
-            continue
-        finish(w, "", err, w.proc.returncode)
-        fill()
+def _work(name: str, device: str, modes: list[str], family: str | None, options: dict,
+          trail: str, timeout: float) -> dict:
+    """:func:`run_job` in a pool's process, under :func:`_trail`; the report as JSON gives it
+    (a fact that is a library's object comes back as text: this process imports no library)."""
+    with _trail(trail, timeout) as at:
+        at(f"the start of {name}")
+        report = run_job(name, device, modes, family=family, before=at, **options)
+    return json.loads(json.dumps(report, default=str))
 
 
-#: a job's rough CPU seconds per backend, family and mode, from a run on a 2-core machine
-#: (docs/conformance.md), to start the longest first so that the last to start are short: JAX's
-#: eager laws compile a program per call's structure and shape, torch's dynamic mode traces
-#: with symbolic shapes; another backend is taken to cost as torch does
-_COST = {
-    "torch": {"index": {"eager": 0.2, "compiled": 18, "dynamic": 24},
-              "model": {"eager": 0.3, "compiled": 7.5, "dynamic": 6.5},
-              "attention": {"eager": 0.3, "compiled": 2}},
-    "jax": {"index": {"eager": 5.5, "compiled": 3},
-            "model": {"eager": 7, "compiled": 2}, "attention": {"eager": 9, "compiled": 1.7}},
-}
+def _devices(name: str, trail: str, timeout: float) -> list[str]:
+    """:func:`labels` in a pool's process (it imports the library), under :func:`_trail`."""
+    with _trail(trail, timeout) as at:
+        at(f"the start of {name}")
+        return labels(name)
 
 
-def _weight(backend: str, modes: list[str], family: str | None) -> float:
-    """A job's rough cost (:data:`_COST`); a backend without a compiler (one job of every
-    law, eager) costs about a second."""
-    if family is None:
-        return 1.0
-    costs = _COST.get(backend, _COST["torch"])[family]
-    return sum(costs.get(m, 1.0) for m in modes)
+class _Pools:
+    """A run's process pools, one per backend and device (:func:`_pool`), each job's trail in a
+    folder of its own, and the rule for a job whose process ended (this module's doc)."""
+
+    def __init__(self, workers: int, timeout: float):
+        self.workers, self.timeout = workers, timeout
+        self.pools: dict[tuple[str, str], ProcessPoolExecutor] = {}
+        self.untuned: set[tuple[str, str]] = set()  # a pool of theirs ended: none since
+        self.folder = tempfile.TemporaryDirectory(prefix="cacheidx-conformance-")
+        self.trails = 0
+
+    def __enter__(self) -> _Pools:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(cancel_futures=True)
+        self.folder.cleanup()
+
+    def submit(self, t: dict, fn: Callable, *args: Any, alone: bool = False) -> tuple:
+        """``fn(*args, trail, timeout)`` in the pool of ``t``'s backend and device (``alone``:
+        in a new pool of one process, without the checking settings): its future, the pool and
+        the trail."""
+        key = (t["backend"], t["device"])
+        if alone:
+            pool = _pool(*key, 1, tuned=False)
+        else:
+            if key not in self.pools:
+                self.pools[key] = _pool(*key, self.workers, tuned=key not in self.untuned)
+            pool = self.pools[key]
+        self.trails += 1
+        trail = os.path.join(self.folder.name, f"{self.trails}.txt")
+        return pool.submit(fn, *args, trail, self.timeout), pool, trail
+
+    def ended(self, t: dict, pool: ProcessPoolExecutor) -> None:
+        """``pool`` ended its processes: ``t``'s next jobs go to a new pool, without the
+        checking settings."""
+        key = (t["backend"], t["device"])
+        if self.pools.get(key) is pool:
+            del self.pools[key]
+            self.untuned.add(key)
+        pool.shutdown(wait=False)
+
+    def devices(self, names: list[str] | None) -> Callable[[str], list[str]]:
+        """A ``found_by`` for :func:`targets`: each backend whose library this process has not
+        imported is asked in its CPU pool, all at once (the libraries load side by side, in the
+        processes that will run their jobs); a question whose process ended is asked once more
+        (in a pool without the settings)."""
+        asked = {}
+        for name in names or backends.names():
+            try:
+                cls = backends._class(name)
+            except Exception:  # targets() reports it
+                continue
+            if cls.module is not None and cls.module not in sys.modules and cls.usable()[0]:
+                asked[name] = self.submit({"backend": name, "device": "cpu"}, _devices, name)
+
+        def answer(t: dict, future: Future, pool: ProcessPoolExecutor, trail: str, *,
+                   last: bool) -> list[str] | None:
+            try:
+                return future.result()
+            except BrokenProcessPool:
+                self.ended(t, pool)
+                if last or _timed_out(trail):  # its last line, for the table's cell
+                    raise RuntimeError(_ended(trail, self.timeout).splitlines()[-1]) from None
+                return None
+
+        def found_by(name: str) -> list[str]:
+            if name not in asked:
+                return labels(name)
+            t = {"backend": name, "device": "cpu"}
+            got = answer(t, *asked[name], last=False)
+            return got if got is not None else answer(t, *self.submit(t, _devices, name),
+                                                      last=True)
+
+        return found_by
+
+    def run(self, todo: list[tuple[dict, tuple]], options: dict, done: Any) -> None:
+        """Run ``todo`` in order, at most :attr:`workers` jobs at once over all pools, calling
+        ``done(target, job, report)`` as each ends."""
+        pending = [(t, job, False) for t, job in todo]
+        running: dict[Future, tuple] = {}
+        while pending or running:
+            while pending and len(running) < self.workers:
+                t, job, again = pending.pop(0)
+                future, pool, trail = self.submit(t, _work, t["backend"], t["device"], *job,
+                                                  options, alone=again)
+                running[future] = (t, job, again, pool, trail, time.perf_counter())
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                t, job, again, pool, trail, began = running.pop(future)
+                if again:
+                    pool.shutdown(wait=False)
+                try:
+                    report = future.result()
+                except BrokenProcessPool:
+                    self.ended(t, pool)
+                    if not again and not _timed_out(trail):
+                        pending.insert(0, (t, job, True))
+                        continue
+                    report = _broken(t, job, _ended(trail, self.timeout))
+                except Exception as e:  # the job could not start: a device gone, say
+                    report = _broken(t, job, f"raised {e!r}")
+                report["wall_seconds"] = round(time.perf_counter() - began, 2)
+                done(t, job, report)
 
 
-def _read(out: str, err: str, t: dict, job: tuple, code: int) -> dict:
+def _pool(name: str, device: str, workers: int, *, tuned: bool) -> ProcessPoolExecutor:
+    """A pool of processes for jobs of one backend and device: spawned (this process may hold
+    threads, or a library under pytest), one thread each (the processes already fill the cores,
+    and every tensor is tiny), with the backend's checking settings where ``tuned``."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if tuned:
+        env.update(backends._class(name).checking_env(device))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start, initargs=(env,))
+
+
+def _read(trail: str) -> str:
     try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        tail = (err or out or "").strip()[-2000:]
-        return {"backend": t["backend"], "device": t["device"], "modes": {},
-                "error": f"the worker for {'+'.join(job[0])} ended with {code}:\n{tail}"}
+        with open(trail, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:  # it ended before the job began
+        return ""
+
+
+def _timed_out(trail: str) -> bool:
+    return "Timeout (" in _read(trail)  # faulthandler's watchdog begins its dump so
+
+
+def _ended(trail: str, timeout: float) -> str:
+    """Why a job's process ended, from its trail: the step it was in, and the trail's end."""
+    lines = _read(trail).splitlines()
+    steps = [line[len(_AT):] for line in lines if line.startswith(_AT)]
+    said = "\n".join(line for line in lines if not line.startswith(_AT)).strip()
+    how = f"ran past {timeout:g} s" if "Timeout (" in said else "ended its process"
+    return f"{how} in {steps[-1] if steps else 'its start'}:\n{said[-2000:]}"
+
+
+def _broken(t: dict, job: tuple, why: str) -> dict:
+    """The report of a job that gave none: ``why`` its error."""
+    name = "+".join(job[0]) + (f" ({job[1]} laws)" if job[1] else "")
+    return {"backend": t["backend"], "device": t["device"], "modes": {},
+            "error": f"the job {name} {why}"}
 
 
 def _summary(job: dict) -> str:
