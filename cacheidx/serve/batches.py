@@ -117,6 +117,8 @@ class Lane:
     #: its tokens' counts for penalties (the sampling's ``Counts``), made at its first
     #: penalised draw and kept as its tokens grow
     counts: Any = dataclasses.field(default=None, repr=False)
+    #: its continuation's text, read as it grows (``text.Text``), where it has stop strings
+    text: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def prefilling(self) -> bool:

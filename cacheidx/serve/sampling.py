@@ -43,7 +43,10 @@ Laws:
    (only where the engine has a tokenizer, ``Engine(detokenize=...)``); that token is the
    sample's last, and its text is cut before the first stop string (:func:`cut`). A stream
    shows of a running sample's text only what :func:`safe` allows: never a tail that may
-   begin a stop string, so it never shows text that is later cut.
+   begin a stop string, so it never shows text that is later cut. The text is read as it
+   grows (:class:`cacheidx.serve.text.Text`: each token's text once, the new text and the
+   tail before it searched), so finding stop strings costs the answer's length, not its
+   square.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ from .requests import Request, Result
 from .sampling import cut, logprobs_of
 from .statistics import Statistics
 from .tables import SlotTables
+from .text import Text
 
 __all__ = ["Batch", "Lane", "Scheduler"]
 
@@ -356,8 +357,11 @@ class Scheduler:
         if token in request.stop:
             return "stop"
         stops = request.sampling.stop if request.sampling is not None else ()
-        if stops and self.detokenize is not None and cut(self.detokenize(tokens), stops)[1]:
-            return "stop"
+        if stops and self.detokenize is not None:  # read as it grows: linear, not quadratic
+            if lane.text is None:
+                lane.text = Text(self.detokenize, stops)
+            if lane.text.extend(tokens[lane.text.fed:]):
+                return "stop"
         return "length" if len(tokens) >= request.max_new_tokens else None
 
     def cancel(self, ticket: int, error: str, now: float) -> Result | None:
@@ -407,7 +411,10 @@ class Scheduler:
             tokens, request = lane.result.tokens, lane.request
             text = self.detokenize(tokens[:-1] if tokens[-1] in request.stop else tokens)
             stops = request.sampling.stop if request.sampling is not None else ()
-            lane.result.text = cut(text, stops)[0] if stops else text
+            if lane.text is not None and lane.text.found >= 0:  # cut where _ends found it
+                lane.result.text = lane.text.text
+            else:
+                lane.result.text = cut(text, stops)[0] if stops else text
         if self.reuse:  # the pages filled while decoding: every token but the last is written
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
             self.cache.insert(lane.hold, written)

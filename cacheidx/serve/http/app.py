@@ -10,7 +10,7 @@ Laws:
    gives the usage, which every other event says is ``null``.
 2. A choice's text is the detokenized continuation without the model's stop tokens, cut
    before the first stop string (the sampling's law 6); a stream shows at each step only the
-   text that no later token or stop string can change (:func:`~cacheidx.serve.sampling.safe`),
+   text that no later token or stop string can change (:class:`~cacheidx.serve.text.Text`),
    so its deltas joined are the whole answer's text. ``finish_reason`` is ``"stop"`` where
    a stop token or string ended it, ``"length"`` where ``max_tokens`` did.
 3. ``usage``: ``prompt_tokens`` each prompt once, ``completion_tokens`` every choice's
@@ -43,7 +43,8 @@ from starlette.exceptions import HTTPException
 
 from ..engine import CANCELLED
 from ..requests import Request
-from ..sampling import cut, safe
+from ..sampling import cut
+from ..text import Text
 from . import schema
 from .loop import Draining, Full, Job, Loop
 from .metrics import CONTENT_TYPE, Metrics
@@ -292,13 +293,12 @@ def app(loop: Loop, *, name: str, template: Callable[[list[dict]], list[int]],
                     done = c.job.done
                     if c.closed or (done and c.job.result.error is not None):
                         continue
-                    old_text, old_tokens = len(c.shown), c.tokens_sent
+                    old_text, old_tokens = c.shown, c.tokens_sent
                     if done:
                         c.settle(text, stops)
                         delta = c.text[old_text:]
                     else:
-                        c.advance(text, stops)
-                        delta = c.shown[old_text:]
+                        delta = c.advance(decode, stops)
                     tokens = c.sample.tokens[old_tokens:c.tokens_sent]
                     if not done and not delta and not (
                             tokens and (body.return_token_ids or c.wants_logprobs)):
@@ -366,33 +366,45 @@ class Counting:
 
 class Choice:
     """One choice of an answer: sample ``sample`` of ``job``, the answer's choice ``index``;
-    what a stream has shown of it (``shown``, ``tokens_sent``)."""
+    what a stream has shown of it (``shown`` characters, the ``deltas`` sent, ``tokens_sent``)
+    and its text read as it grows (``reader``, a :class:`~cacheidx.serve.text.Text`)."""
 
     def __init__(self, job: Job, sample: int, index: int):
         self.job, self.index = job, index
         self.sample = job.samples[sample]
-        self.shown = ""
+        self.shown = 0
+        self.deltas: list[str] = []
+        self.reader: Text | None = None
         self.tokens_sent = 0
         self.text = ""
         self.reason: str | None = None
         self.closed = False
 
-    def advance(self, text: Callable[[Sequence[int]], str], stops: tuple[str, ...]) -> None:
-        """Law 2: the text no later token can change."""
+    def advance(self, decode: Callable[[list[int]], str] | None,
+                stops: tuple[str, ...]) -> str:
+        """Law 2: the text no later token can change, past what was shown (the stream's
+        next delta), read from the new tokens alone (the text's law 1: a stream's cost is
+        linear in its answer)."""
         n = len(self.sample.tokens)
-        whole, _ = cut(text(self.sample.tokens[:n]), stops)
-        whole = whole[: safe(whole, stops)]
-        if whole.startswith(self.shown):
-            self.shown = whole
+        delta = ""
+        if decode is not None:
+            if self.reader is None:
+                self.reader = Text(decode, stops, drop=self.job.request.stop, streamed=True)
+            self.reader.extend(self.sample.tokens[self.reader.fed:n])
+            delta = self.reader.take()
+            self.deltas.append(delta)
+            self.shown += len(delta)
         self.tokens_sent = n
+        return delta
 
     def settle(self, text: Callable[[Sequence[int]], str], stops: tuple[str, ...]) -> None:
         """Law 2: the ended sample's text and finish reason."""
         tokens = self.sample.tokens
         self.text, found = cut(text(tokens), stops)
-        if not self.text.startswith(self.shown):  # a tokenizer whose text is no prefix's
-            self.text = self.shown + self.text[len(self.shown):]
-        self.shown = self.text
+        shown = "".join(self.deltas)
+        if not self.text.startswith(shown):  # a tokenizer whose text is no prefix's
+            self.text = shown + self.text[len(shown):]
+        self.shown, self.deltas = len(self.text), [self.text]
         self.tokens_sent = len(tokens)
         ended = found or (tokens and tokens[-1] in self.job.request.stop)
         self.reason = "stop" if ended or len(tokens) < self.job.request.max_new_tokens \
