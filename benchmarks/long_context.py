@@ -172,6 +172,7 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
     ``kv``: "int8", "int4"), filled with ``layers``' keys and values."""
     import cacheidx as ci
     from cacheidx import devices
+    from cacheidx import pools as kinds
     from cacheidx.models import llama
 
     be = ci.backends.get(backend)
@@ -187,10 +188,9 @@ def ci_engine(config, params, layers, first, context: int, steps: int, backend: 
 
     def filled(pool, x):
         rows = xp.asarray(x.reshape(BATCH * context, *x.shape[2:]), device=where)
-        if isinstance(pool, ci.Quantized):  # the rows' codes and scales, each so
-            return ci.Quantized(*(be.scatter(p, slots, r, donate=True) for p, r in
-                                  zip(pool, ci.quantized.quantize(rows, pool.bits))))
-        return be.scatter(pool, slots, rows, donate=True)
+        kind = kinds.kind(pool)  # each part stores what its kind encodes of the rows
+        return kind.remade([be.scatter(p, slots, r, donate=True) for p, r in
+                            zip(kind.parts(pool), kind.encode(pool, rows, xp), strict=True)])
 
     for (k, v), (pk, pv) in zip(layers, llama.empty_pools(config, BATCH * width,
                                                           like=weights["embed"], kv=kv)):

@@ -53,7 +53,8 @@ def cacheidx_paged(config, params, layers, first, context: int, steps: int, kv: 
     import torch
 
     import cacheidx as ci
-    from cacheidx import devices, quantized
+    from cacheidx import devices
+    from cacheidx import pools as kinds
     from cacheidx.attention import native
     from cacheidx.models import llama
 
@@ -70,13 +71,9 @@ def cacheidx_paged(config, params, layers, first, context: int, steps: int, kv: 
         stored = []
         for x, pool in zip((k, v), pair):
             rows = torch.as_tensor(x.reshape(lanes * context, *x.shape[2:]))
-            if isinstance(pool, quantized.Quantized):
-                codes, scales = quantized.quantize(rows, pool.bits, xp=xp)
-                pool = quantized.Quantized(be.scatter(pool.codes, at, codes, donate=True),
-                                           be.scatter(pool.scales, at, scales, donate=True))
-            else:
-                pool = be.scatter(pool, at, rows, donate=True)
-            stored.append(pool)
+            kind = kinds.kind(pool)  # each part stores what its kind encodes of the rows
+            stored.append(kind.remade([be.scatter(p, at, r, donate=True) for p, r in zip(
+                kind.parts(pool), kind.encode(pool, rows, xp), strict=True)]))
         pools.append(tuple(stored))
     index = ci.make(xp.asarray(np.full((lanes, 1), context - 1)), xp.asarray(table))
 
