@@ -7,7 +7,12 @@ wraps ``-1``; none of that reaches the user: traced stores go through
 :func:`~cacheidx.backends.base.redirect_dropped`, reads through an index made safe first. Eager
 stores and reads use plans an index keeps for every layer (the kept rows and the rows to zero,
 found on the host on the CPU) and, on CUDA, one kernel each (``cacheidx::store_rows_``,
-``cacheidx::gated_rows``).
+``cacheidx::gated_rows``): each way of storing or reading a plan is a class with its own
+``store`` or ``read``.
+
+The adapter is composed of one part per concern (:mod:`cacheidx.backends.base`):
+:class:`TorchLibrary`, :class:`TorchArrays`, :class:`TorchCompiling`, :class:`TorchServing` and
+:class:`TorchChecking`.
 """
 
 from __future__ import annotations
@@ -157,19 +162,19 @@ class TorchLibrary(Library):
 class TorchArrays(StandardArrays):
     """Static-shape stores with drop and gated reads; eagerly through an index's plans (one
     class per way: :class:`HostStore`, :class:`DeviceStore`, :class:`TracedStore` and their
-    reads), functional wherever :meth:`functional` says so."""
+    reads), functional wherever :meth:`_functional` says so."""
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:
         """One indexed store of the tokens' rows; a store outside the pool stores nothing.
         Eagerly, through ``store_plan`` and ``store``. Where it must stay functional
-        (:meth:`functional`), a store outside the pool is sent where it repeats a store that
+        (:meth:`_functional`), a store outside the pool is sent where it repeats a store that
         happens anyway (``redirect_dropped``), so it can neither raise, wrap ``-1`` to the last
         slot, nor clobber a real write at slot 0; donated, the rows go into the caller's storage
         (``index_put_``; compiled by inductor, a store into the input buffer): the cost is in
         the tokens, never in the slots. Otherwise the pool is copied."""
         if pool.shape[0] == 0 or slots.shape[0] == 0:
             return pool
-        if self.functional(pool, rows, slots):
+        if self._functional(pool, rows, slots):
             return _scatter_functional(self.xp, pool, slots, rows, donate)
         return self.store(pool, self.store_plan(slots, pool.shape[0]), rows, donate=donate)
 
@@ -186,7 +191,7 @@ class TorchArrays(StandardArrays):
         inductor fuses into one gated load. Eagerly, through ``read_plan`` and ``read``."""
         if pool.shape[0] == 0:
             return pool.new_zeros((slots.shape[0], *pool.shape[1:]))
-        if self.functional(pool, slots):
+        if self._functional(pool, slots):
             return _gather_functional(self.xp, pool, slots, ok)
         return self.read(pool, self.read_plan(slots, ok, pool.shape[0]))
 
@@ -197,7 +202,7 @@ class TorchArrays(StandardArrays):
         device, ``cacheidx::store_rows_`` skips the dropped ones itself, in one kernel."""
         import torch
 
-        if self.functional(slots):
+        if self._functional(slots):
             return TracedStore(slots, self.xp)
         if _on_host(slots):
             keep = inside(slots, n)
@@ -211,7 +216,7 @@ class TorchArrays(StandardArrays):
     def store(self, pool: Any, plan: Any, rows: Any, *, donate: bool = False) -> Any:
         if pool.shape[0] == 0 or rows.shape[0] == 0:
             return pool
-        if self.functional(pool, rows):
+        if self._functional(pool, rows):
             return _scatter_functional(self.xp, pool, plan.slots, rows, donate)
         return plan.store(pool, rows, donate)
 
@@ -220,7 +225,7 @@ class TorchArrays(StandardArrays):
         of those rows only); on a device ``cacheidx::gated_rows`` reads in one kernel."""
         import torch
 
-        if self.functional(slots):
+        if self._functional(slots):
             return TracedRead(slots, ok, self.xp)
         if _on_host(slots, ok):
             safe = torch.where(ok, slots, 0)
@@ -232,7 +237,7 @@ class TorchArrays(StandardArrays):
     def read(self, pool: Any, plan: Any) -> Any:
         if pool.shape[0] == 0:
             return pool.new_zeros((plan.slots.shape[0], *pool.shape[1:]))
-        if self.functional(pool):
+        if self._functional(pool):
             return _gather_functional(self.xp, pool, plan.slots, plan.ok)
         return plan.read(pool)
 
@@ -253,7 +258,7 @@ class TorchArrays(StandardArrays):
         CPU work is done when the call returns)."""
         return _on_host(x) and not self.tracing(x)
 
-    def functional(self, *xs: Any) -> bool:
+    def _functional(self, *xs: Any) -> bool:
         """Whether a store or read of ``xs`` must stay one functional expression: one of them
         is traced (:meth:`tracing`, the one tracing predicate), autograd records one, or a
         functorch transform (vmap, grad) is active."""
