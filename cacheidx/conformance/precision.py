@@ -28,6 +28,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from ..backends.protocols import Checking
+
 __all__ = ["Precision", "GROWTH"]
 
 GROWTH = 128.0
@@ -52,7 +54,7 @@ class Precision:
         return cls("highest", 23)
 
     @classmethod
-    def default(cls, backend: Any, device: Any) -> Precision:
+    def default(cls, backend: Checking, device: Any) -> Precision:
         return cls("default", backend.matmul_mantissa(device))
 
     @classmethod
@@ -60,7 +62,7 @@ class Precision:
         return cls("emulated", bits, emulate=bits)
 
     @classmethod
-    def named(cls, name: str, backend: Any, device: Any) -> Precision:
+    def named(cls, name: str, backend: Checking, device: Any) -> Precision:
         """The policy ``name`` (``highest``, ``default``, ``tf32``: TF32 emulated) on a device."""
         if name == "highest":
             return cls.highest()
@@ -72,7 +74,7 @@ class Precision:
                          "default, tf32)")
 
     @contextlib.contextmanager
-    def applied(self, backend: Any) -> Iterator[None]:
+    def applied(self, backend: Checking) -> Iterator[None]:
         """The library set as the policy says while the laws run."""
         if self.name == "default":
             yield
@@ -80,7 +82,7 @@ class Precision:
             with backend.highest_precision():
                 yield
 
-    def report(self, backend: Any, device: Any) -> dict:
+    def report(self, backend: Checking, device: Any) -> dict:
         """What the JSON report records of the policy on a device."""
         return {"policy": self.name, "matmul_mantissa": self.mantissa,
                 "model_tolerance": self.tol,
