@@ -176,7 +176,7 @@ def test_paged_decode_is_the_same_over_one_thread_and_two(threads, monkeypatch):
     """Lanes x kv heads split over the threads the call is given: the same bits."""
     torch = pytest.importorskip("torch")
     kernel_or_skip()
-    monkeypatch.setattr(native, "THREADED", 0)
+    monkeypatch.setattr(native.pages, "THREADED", 0)
     kept = torch.get_num_threads()
     outs = []
     try:

@@ -1,0 +1,475 @@
+/* cacheidx's CPU kernel: attention's online softmax over quantized runs and paged pools, read
+   where they lie (codes cast to floats in registers). Built at install time as the extension
+   module cacheidx.attention.native._kernel (setup.py); cacheidx/attention/native/__init__.py
+   says what it computes and when the core computes instead.
+
+   The same bits on every machine: every sum is written as partial sums in one order, and
+   compiled without reassociation or contraction (-ffp-contract=off, never -ffast-math), so a
+   vector of any width computes them as written. On x86-64 with GCC and glibc the entries are
+   cloned for x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline (target_clones: the
+   dynamic loader picks one for the processor, as -march=native would without tying the build
+   to it); every clone runs the same operations in the same order, so each gives the same
+   bits. A compiler that keeps floats in wider registers (FLT_EVAL_METHOD 1 or 2: x87) would
+   round differently, so it is refused. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if FLT_EVAL_METHOD == 1 || FLT_EVAL_METHOD == 2
+#error "float arithmetic in wider registers: the kernel's sums would not be float32's"
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__) \
+    && __GNUC__ >= 8 && !defined(CACHEIDX_ONE_TARGET)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+/* every helper inlined into its caller, and so compiled for the caller's clone */
+#define INLINE static inline __attribute__((always_inline))
+
+enum { ROWS = 16, BLOCK = 64, LANES = 16, WIDEST = 1024, AHEAD = 64 };
+
+INLINE float fexp(float x) {
+    float x0 = x;
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504088896341f;
+    float n = rintf(t);
+    float f = (t - n) * 0.69314718055994531f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666666666666667e-1f + f * (
+        4.1666666666666667e-2f + f * (8.3333333333333333e-3f + f * (
+        1.3888888888888889e-3f + f * 1.9841269841269841e-4f))))));
+    union { int32_t i; float f; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return x0 < -87.0f ? 0.0f : p * u.f;
+}
+
+INLINE int is_finite(float x) {
+    union { float f; uint32_t i; } u = { x };
+    return (u.i & 0x7f800000u) != 0x7f800000u;
+}
+
+/* Sums in one order on every machine: LANES partial sums, element i into sum i % LANES, then
+   halved pairwise. Each partial sum is a chain of its own, so the compiler vectorises the
+   loop as written, without reassociating it (no -fassociative-math, no -ffast-math). */
+INLINE float halved(float *s) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+INLINE float dot(const float *restrict a, const float *restrict b, int d) {
+    float s[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; j++) s[j] += a[i + j] * b[i + j];
+    for (int j = 0; i + j < d; j++) s[j] += a[i + j] * b[i + j];
+    return halved(s);
+}
+
+INLINE float sum(const float *a, int n) {
+    float s[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) s[j] += a[i + j];
+    for (int j = 0; i + j < n; j++) s[j] += a[i + j];
+    return halved(s);
+}
+
+/* the largest of a[0:n] (no NaN among them: the callers refuse those first) */
+INLINE float largest(const float *a, int n) {
+    float s[LANES];
+    for (int j = 0; j < LANES; j++) s[j] = -INFINITY;
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) s[j] = a[i + j] > s[j] ? a[i + j] : s[j];
+    for (int j = 0; i + j < n; j++) s[j] = a[i + j] > s[j] ? a[i + j] : s[j];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) s[j] = s[j + w] > s[j] ? s[j + w] : s[j];
+    return s[0];
+}
+
+/* codes of one row as floats c_i: 8 bits, or 4 bits packed (byte i: code i low, i + d/2 high) */
+INLINE void row(const uint8_t *restrict c, int d, int bits, float *restrict out) {
+    if (bits == 8) {
+        const int8_t *s = (const int8_t *)c;
+        for (int i = 0; i < d; i++) out[i] = (float)s[i];
+    } else {
+        int h = d / 2;
+        for (int i = 0; i < h; i++) out[i] = (float)(int)(c[i] & 15) - 8.0f;
+        for (int i = 0; i < h; i++) out[i + h] = (float)(int)(c[i] >> 4) - 8.0f;
+    }
+}
+
+/* One run of T columns of one lane, every kv head h < kv and query row r < m:
+   q[(h m + r) d + i] the scaled queries; key codes of column t, head h at kc + t kst + h khs
+   (bytes), their scale at ks[t kss + h khs2]; values alike. Out: mo, lo [kv m] and
+   acc [kv m dv]: the online softmax's state over the run. Returns 1 (its outputs to be
+   discarded) where a scale or a query is not finite, a score is NaN or +inf (a product that
+   overflowed: the core weighs it as its laws say), or m > ROWS.
+   A row whose scores so far are all -inf (products that overflowed) weighs no column: its
+   state stays m = -inf, l = 0, acc = 0, and a block is weighed against a maximum of 0 while
+   the row's maximum is -inf (the online softmax's rule: never exp(-inf - -inf)). */
+INLINE int run(
+        int T, int kv, int m, int d, int dv, int kbits, int vbits, const float *q,
+        const uint8_t *kc, long kst, long khs, const float *ks, long kss, long khs2,
+        const uint8_t *vc, long vst, long vhs, const float *vs, long vss, long vhs2,
+        float *mo, float *lo, float *acc) {
+    if (m > ROWS || T <= 0) return 1;
+    for (int i = 0; i < kv * m * d; i++) if (!is_finite(q[i])) return 1;
+    for (int h = 0; h < kv; h++)
+        for (int t = 0; t < T; t++)
+            if (!is_finite(ks[t * kss + h * khs2]) || !is_finite(vs[t * vss + h * vhs2]))
+                return 1;
+    float z[ROWS][BLOCK], krow[WIDEST], vrow[WIDEST];
+    if (d > WIDEST || dv > WIDEST) return 1;
+    for (int h = 0; h < kv; h++) {
+        const float *qh = q + (long)h * m * d;
+        float *M = mo + h * m, *L = lo + h * m, *A = acc + (long)h * m * dv;
+        memset(A, 0, sizeof(float) * m * dv);
+        for (int t0 = 0; t0 < T; t0 += BLOCK) {
+            int nb = T - t0 < BLOCK ? T - t0 : BLOCK;
+            for (int j = 0; j < nb; j++) {
+                long t = t0 + j;
+                row(kc + t * kst + h * khs, d, kbits, krow);
+                float s = ks[t * kss + h * khs2];
+                for (int r = 0; r < m; r++) z[r][j] = dot(qh + r * d, krow, d) * s;
+            }
+            int bad = 0;
+            for (int r = 0; r < m; r++)
+                for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
+            if (bad) return 1;
+            for (int r = 0; r < m; r++) {
+                float top = largest(z[r], nb);
+                if (t0 > 0 && M[r] > top) top = M[r];
+                float base = top == -INFINITY ? 0.0f : top;
+                float fade = t0 > 0 ? fexp(M[r] - base) : 0.0f;
+                for (int j = 0; j < nb; j++) z[r][j] = fexp(z[r][j] - base);
+                float total = sum(z[r], nb);
+                L[r] = t0 > 0 ? L[r] * fade + total : total;
+                if (t0 > 0) for (int e = 0; e < dv; e++) A[r * dv + e] *= fade;
+                M[r] = top;
+            }
+            for (int j = 0; j < nb; j++) {
+                long t = t0 + j;
+                row(vc + t * vst + h * vhs, dv, vbits, vrow);
+                float s = vs[t * vss + h * vhs2];
+                for (int r = 0; r < m; r++) {
+                    float w = z[r][j] * s;
+                    float *a = A + r * dv;
+                    for (int e = 0; e < dv; e++) a[e] += w * vrow[e];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The arguments of one run, by name (native/found.py's Run mirrors them). */
+typedef struct {
+    int T, kv, m, d, dv, kbits, vbits;
+    const float *q;
+    const uint8_t *kc; long kst, khs; const float *ks; long kss, khs2;
+    const uint8_t *vc; long vst, vhs; const float *vs; long vss, vhs2;
+    float *mo, *lo, *acc;
+} cacheidx_run_args;
+
+/* the call, its widths and head dims made constants where they are the common ones, so that
+   the compiler unrolls and vectorises each row's loops whole */
+#define RUN(D, KB, VB) run(a->T, a->kv, a->m, D, D, KB, VB, a->q, a->kc, a->kst, a->khs, a->ks, \
+                           a->kss, a->khs2, a->vc, a->vst, a->vhs, a->vs, a->vss, a->vhs2, \
+                           a->mo, a->lo, a->acc)
+CLONES static int cacheidx_run(const cacheidx_run_args *a) {
+    if (a->d == a->dv && a->kbits == a->vbits) {
+        if (a->d == 64) return a->kbits == 8 ? RUN(64, 8, 8) : RUN(64, 4, 4);
+        if (a->d == 128) return a->kbits == 8 ? RUN(128, 8, 8) : RUN(128, 4, 4);
+    }
+    return RUN(a->d, a->kbits, a->vbits);
+}
+
+/* ---- paged decode: every lane's seen columns through its row of the table, in one call ---- */
+
+/* the kinds of element a pool (or its scales) holds */
+enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, I4 = 4 };
+
+INLINE float from_bf16(uint16_t h) {
+    union { uint32_t i; float f; } u = { (uint32_t)h << 16 };
+    return u.f;
+}
+
+INLINE float from_f16(uint16_t h) {
+#if defined(__FLT16_MAX__)
+    union { uint16_t i; _Float16 f; } u = { h };
+    return (float)u.f;
+#else
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t i; float f; } u;
+    if (e == 0) { u.f = (float)m * 5.9604644775390625e-8f; u.i |= s; }
+    else if (e == 31) u.i = s | 0x7f800000u | (m << 13);
+    else u.i = s | ((e + 112u) << 23) | (m << 13);
+    return u.f;
+#endif
+}
+
+/* one row of d elements of kind k at base + off (off in elements; in bytes for codes), as
+   floats: the row itself where it is float32, else cast into buf */
+INLINE const float *load(
+        const void *base, long off, int k, int d, float *restrict buf) {
+    if (k == F32) return (const float *)base + off;
+    if (k == F16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int i = 0; i < d; i++) buf[i] = from_f16(p[i]);
+    } else if (k == BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int i = 0; i < d; i++) buf[i] = from_bf16(p[i]);
+    } else {
+        row((const uint8_t *)base + off, d, k == I8 ? 8 : 4, buf);
+    }
+    return buf;
+}
+
+/* bytes an element of kind k takes (codes: a byte, two 4-bit codes) */
+INLINE long width(int k) { return k == F32 ? 4 : k <= BF16 ? 2 : 1; }
+
+/* asks the processor for the d elements of kind k at p, one cache line at a time */
+INLINE void ahead(const char *p, int d, int k) {
+    long bytes = k == I4 ? d / 2 : d * width(k);
+    for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x);
+}
+
+INLINE float scale_at(const void *base, long off, int k) {
+    if (k == F32) return ((const float *)base)[off];
+    uint16_t h = ((const uint16_t *)base)[off];
+    return k == F16 ? from_f16(h) : from_bf16(h);
+}
+
+/* The arguments of one paged call, by name (native/found.py's Paged mirrors them). */
+typedef struct {
+    int lanes, kv, g, d, dv;    /* g: query rows a kv head (grouped heads of one token) */
+    int kkind, vkind;           /* F32, F16, BF16, I8 or I4 */
+    int kskind, vskind;         /* the scales' kind (F32, F16, BF16), for I8 and I4 pools */
+    int threads;
+    const float *q;             /* [lanes, kv, g, d], scaled */
+    const int64_t *table;       /* lane b's slot of column c: table[b * table_stride + c] */
+    long table_stride;
+    const int64_t *start, *stop; /* [lanes]: lane b sees columns start[b] to stop[b] - 1 */
+    const void *k; long kst, khs; /* element (codes: byte) strides of a slot and a head */
+    const void *ks; long kss, kshs;
+    const void *v; long vst, vhs;
+    const void *vs; long vss, vshs;
+    float *m, *l, *acc;         /* [lanes, kv, g] twice, [lanes, kv, g, dv] */
+} cacheidx_paged_args;
+
+/* Lane b at kv head h: the online softmax's state (m, l, acc) of its g query rows over its
+   seen columns, read through its row of the table (pages in any order, one slot a column).
+   Returns 1 (the call's outputs to be discarded) where a query is not finite, a score is NaN
+   or +inf, or the state is not finite at the end (a value or scale not finite: the core then
+   weighs the call as its laws say). A score of -inf weighs nothing; a row whose scores are
+   all -inf keeps m = -inf, l = 0, acc = 0. */
+INLINE int lane(
+        const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk) {
+    const int g = a->g;
+    const long at = (long)b * a->kv + h;
+    const float *q = a->q + at * g * d;
+    float *M = a->m + at * g, *L = a->l + at * g, *A = a->acc + at * g * dv;
+    const int64_t *slots = a->table + (long)b * a->table_stride;
+    const long c0 = a->start[b], c1 = a->stop[b];
+    for (int i = 0; i < g * d; i++) if (!is_finite(q[i])) return 1;
+    for (int r = 0; r < g; r++) { M[r] = -INFINITY; L[r] = 0.0f; }
+    memset(A, 0, sizeof(float) * g * dv);
+    float z[ROWS][BLOCK], kbuf[WIDEST], vbuf[WIDEST];
+    for (long t0 = c0; t0 < c1; t0 += BLOCK) {
+        int nb = c1 - t0 < BLOCK ? (int)(c1 - t0) : BLOCK;
+        for (int j = 0; j < nb; j++) {
+            long s = slots[t0 + j];
+            /* the rows AHEAD columns on fetched now: a lane's pages lie anywhere, and the
+               processor's prefetcher stops at each page's end */
+            if (t0 + j + AHEAD < c1) {
+                long f = slots[t0 + j + AHEAD];
+                ahead((const char *)a->k + (f * a->kst + h * a->khs) * width(kk), d, kk);
+                ahead((const char *)a->v + (f * a->vst + h * a->vhs) * width(vk), dv, vk);
+            }
+            const float *k = load(a->k, s * a->kst + h * a->khs, kk, d, kbuf);
+            if (kk >= I8) {
+                float sc = scale_at(a->ks, s * a->kss + h * a->kshs, a->kskind);
+                for (int r = 0; r < g; r++) z[r][j] = dot(q + r * d, k, d) * sc;
+            } else {
+                for (int r = 0; r < g; r++) z[r][j] = dot(q + r * d, k, d);
+            }
+        }
+        int bad = 0;
+        for (int r = 0; r < g; r++)
+            for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
+        if (bad) return 1;
+        for (int r = 0; r < g; r++) {
+            float top = largest(z[r], nb);
+            top = M[r] > top ? M[r] : top;
+            float base = top == -INFINITY ? 0.0f : top;
+            float fade = fexp(M[r] - base);  /* 0 where M is -inf: L and acc are 0 there */
+            for (int j = 0; j < nb; j++) z[r][j] = fexp(z[r][j] - base);
+            L[r] = L[r] * fade + sum(z[r], nb);
+            if (fade != 1.0f) for (int e = 0; e < dv; e++) A[r * dv + e] *= fade;
+            M[r] = top;
+        }
+        for (int j = 0; j < nb; j++) {
+            long s = slots[t0 + j];
+            const float *v = load(a->v, s * a->vst + h * a->vhs, vk, dv, vbuf);
+            float sc = vk >= I8 ? scale_at(a->vs, s * a->vss + h * a->vshs, a->vskind) : 1.0f;
+            for (int r = 0; r < g; r++) {
+                float w = z[r][j] * sc;
+                float *o = A + r * dv;
+                for (int e = 0; e < dv; e++) o[e] += w * v[e];
+            }
+        }
+    }
+    int bad = 0;
+    for (int i = 0; i < g * dv; i++) bad |= !is_finite(A[i]);
+    for (int r = 0; r < g; r++) bad |= !is_finite(L[r]);
+    return bad;
+}
+
+
+/* one lane and kv head, its head dims and kinds made constants where they are the common
+   ones (the loops then unroll and vectorise whole) */
+#define LANE(D, K) lane(a, b, h, D, D, K, K)
+CLONES static int one(const cacheidx_paged_args *a, int b, int h) {
+    int d = a->d, kk = a->kkind;
+    if (d == a->dv && kk == a->vkind) {
+        if (d == 64) switch (kk) {
+            case F32: return LANE(64, F32); case F16: return LANE(64, F16);
+            case BF16: return LANE(64, BF16); case I8: return LANE(64, I8);
+            default: return LANE(64, I4);
+        }
+        if (d == 128) switch (kk) {
+            case F32: return LANE(128, F32); case F16: return LANE(128, F16);
+            case BF16: return LANE(128, BF16); case I8: return LANE(128, I8);
+            default: return LANE(128, I4);
+        }
+    }
+    return lane(a, b, h, a->d, a->dv, a->kkind, a->vkind);
+}
+
+typedef struct { const cacheidx_paged_args *a; int next, bad; } work;
+
+/* takes lanes x kv heads one at a time until none is left (or one was refused) */
+static void *worker(void *p) {
+    work *w = (work *)p;
+    const int n = w->a->lanes * w->a->kv;
+    for (;;) {
+        int i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (i >= n || __atomic_load_n(&w->bad, __ATOMIC_RELAXED)) break;
+        if (one(w->a, i / w->a->kv, i % w->a->kv)) __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+enum { MOST_THREADS = 64 };
+
+/* The paged call: 0, or 1 where it was refused (bad arguments, or a lane's, see lane()). */
+static int cacheidx_paged(const cacheidx_paged_args *a) {
+    if (a->g < 1 || a->g > ROWS || a->d < 1 || a->dv < 1 || a->d > WIDEST || a->dv > WIDEST
+        || a->kkind < F32 || a->kkind > I4 || a->vkind < F32 || a->vkind > I4
+        || (a->kkind == I4 && a->d % 2) || (a->vkind == I4 && a->dv % 2)) return 1;
+    work w = { a, 0, 0 };
+    int n = a->lanes * a->kv, threads = a->threads < n ? a->threads : n;
+    if (threads > MOST_THREADS) threads = MOST_THREADS;
+    pthread_t t[MOST_THREADS];
+    int made = 0;
+    for (; made < threads - 1; made++)
+        if (pthread_create(&t[made], NULL, worker, &w)) break;  /* fewer threads, same work */
+    worker(&w);
+    for (int i = 0; i < made; i++) pthread_join(t[i], NULL);
+    return w.bad;
+}
+
+/* ---- the module: each entry takes its arguments' struct as a buffer of exactly its size,
+   and runs without the GIL; layout() says each struct's size and its fields' offsets, which
+   the loader checks against its ctypes mirrors before it calls anything ---- */
+
+static int taken(PyObject *arg, void *into, size_t size, const char *what) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return -1;
+    if ((size_t)view.len != size) {
+        PyErr_Format(PyExc_TypeError, "cacheidx.attention.native._kernel.%s: takes the %zu bytes "
+                     "of its arguments' struct, got %zd", what, size, view.len);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    memcpy(into, view.buf, size);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+static PyObject *py_paged(PyObject *self, PyObject *arg) {
+    cacheidx_paged_args a;
+    int bad;
+    if (taken(arg, &a, sizeof a, "paged") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = cacheidx_paged(&a);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(bad);
+}
+
+static PyObject *py_run(PyObject *self, PyObject *arg) {
+    cacheidx_run_args a;
+    int bad;
+    if (taken(arg, &a, sizeof a, "run") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = cacheidx_run(&a);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(bad);
+}
+
+#define FIELD(S, F) Py_BuildValue("(sn)", #F, (Py_ssize_t)offsetof(S, F))
+static PyObject *py_layout(PyObject *self, PyObject *unused) {
+    PyObject *paged = Py_BuildValue(
+        "(n[NNNNNNNNNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_paged_args),
+        FIELD(cacheidx_paged_args, lanes), FIELD(cacheidx_paged_args, kv),
+        FIELD(cacheidx_paged_args, g), FIELD(cacheidx_paged_args, d),
+        FIELD(cacheidx_paged_args, dv), FIELD(cacheidx_paged_args, kkind),
+        FIELD(cacheidx_paged_args, vkind), FIELD(cacheidx_paged_args, kskind),
+        FIELD(cacheidx_paged_args, vskind), FIELD(cacheidx_paged_args, threads),
+        FIELD(cacheidx_paged_args, q), FIELD(cacheidx_paged_args, table),
+        FIELD(cacheidx_paged_args, table_stride), FIELD(cacheidx_paged_args, start),
+        FIELD(cacheidx_paged_args, stop), FIELD(cacheidx_paged_args, k),
+        FIELD(cacheidx_paged_args, kst), FIELD(cacheidx_paged_args, khs),
+        FIELD(cacheidx_paged_args, ks), FIELD(cacheidx_paged_args, kss),
+        FIELD(cacheidx_paged_args, kshs), FIELD(cacheidx_paged_args, v),
+        FIELD(cacheidx_paged_args, vst), FIELD(cacheidx_paged_args, vhs),
+        FIELD(cacheidx_paged_args, vs), FIELD(cacheidx_paged_args, vss),
+        FIELD(cacheidx_paged_args, vshs), FIELD(cacheidx_paged_args, m),
+        FIELD(cacheidx_paged_args, l), FIELD(cacheidx_paged_args, acc));
+    PyObject *run = Py_BuildValue(
+        "(n[NNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_run_args),
+        FIELD(cacheidx_run_args, T), FIELD(cacheidx_run_args, kv), FIELD(cacheidx_run_args, m),
+        FIELD(cacheidx_run_args, d), FIELD(cacheidx_run_args, dv),
+        FIELD(cacheidx_run_args, kbits), FIELD(cacheidx_run_args, vbits),
+        FIELD(cacheidx_run_args, q), FIELD(cacheidx_run_args, kc), FIELD(cacheidx_run_args, kst),
+        FIELD(cacheidx_run_args, khs), FIELD(cacheidx_run_args, ks), FIELD(cacheidx_run_args, kss),
+        FIELD(cacheidx_run_args, khs2), FIELD(cacheidx_run_args, vc),
+        FIELD(cacheidx_run_args, vst), FIELD(cacheidx_run_args, vhs),
+        FIELD(cacheidx_run_args, vs), FIELD(cacheidx_run_args, vss),
+        FIELD(cacheidx_run_args, vhs2), FIELD(cacheidx_run_args, mo),
+        FIELD(cacheidx_run_args, lo), FIELD(cacheidx_run_args, acc));
+    if (paged == NULL || run == NULL) { Py_XDECREF(paged); Py_XDECREF(run); return NULL; }
+    return Py_BuildValue("{sNsNsisisi}", "paged", paged, "run", run, "rows", (int)ROWS,
+                         "widest", (int)WIDEST, "abi", 2);
+}
+
+static PyMethodDef methods[] = {
+    {"paged", py_paged, METH_O, "paged(args) -> 0, or 1 where the call is refused"},
+    {"run", py_run, METH_O, "run(args) -> 0, or 1 where the run is refused"},
+    {"layout", py_layout, METH_NOARGS, "each struct's size and its fields' offsets"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel",
+                                    "cacheidx's CPU kernel (see cacheidx.attention.native)", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }

@@ -1,0 +1,33 @@
+"""The CPU kernel (cacheidx/attention/native/kernel.c), built as an extension module when
+cacheidx is installed; everything else is in pyproject.toml.
+
+The extension is optional: where no C compiler builds it, the install goes on (setuptools says
+why) and the array libraries' products read quantized and paged pools instead
+(cacheidx.attention.native says so once, as a warning). Its flags keep one set of numerics on
+every machine: no -march=native (kernel.c clones its entries per instruction set instead), no
+-ffast-math or reassociation, no contraction into fused multiply-adds."""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+#: GCC and clang: optimised, no errno from libm, and floats as the source writes them
+UNIX = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi"]
+
+
+class Flags(build_ext):
+    """``build_ext`` with the kernel's flags for the compiler it finds."""
+
+    def build_extensions(self):
+        unix = self.compiler.compiler_type == "unix"
+        for ext in self.extensions:
+            ext.extra_compile_args = UNIX if unix else ["/O2", "/fp:precise"]
+            ext.extra_link_args = ["-pthread"] if unix else []
+            ext.libraries = ["m"] if unix else []
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[Extension("cacheidx.attention.native._kernel",
+                           ["cacheidx/attention/native/kernel.c"], optional=True)],
+    cmdclass={"build_ext": Flags},
+)

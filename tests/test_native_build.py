@@ -1,0 +1,207 @@
+"""The CPU kernel is built as the ecosystem builds native code (issue 36, item 5): an optional
+extension module compiled at install time (setup.py), with one set of numerics on every machine,
+checked before it is called, and the array-API path, said once, where it was not built; on
+torch it is also the operator ``cacheidx::paged``, which ``torch.library.opcheck`` checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cacheidx as ci
+from cacheidx import quantized
+from cacheidx.attention import native
+from cacheidx.attention.native import found
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernel_or_skip():
+    if native.kernel() is None:
+        pytest.skip("the CPU kernel is not built here (no C compiler at install time)")
+
+
+def setup_flags() -> list[str]:
+    namespace: dict = {}
+    text = (ROOT / "setup.py").read_text()
+    exec(compile(text.split("\n\nclass ")[0], "setup.py", "exec"), namespace)
+    return namespace["UNIX"]
+
+
+def test_the_build_keeps_one_set_of_numerics_on_every_machine():
+    """No flag that makes the sums depend on the machine: no -march=native, no fast math or
+    reassociation; contraction into fused multiply-adds off."""
+    flags = setup_flags()
+    assert "-ffp-contract=off" in flags
+    for bad in ("-march=native", "-ffast-math", "-fassociative-math", "-Ofast",
+                "-funsafe-math-optimizations"):
+        assert bad not in flags
+
+
+def test_with_no_compiler_the_build_goes_on_without_the_kernel(tmp_path):
+    """``CC=/nonexistent``: setup.py's build of the optional extension says it failed and
+    exits 0 (``pip install`` goes on), building nothing."""
+    env = {**os.environ, "CC": "/nonexistent", "LDSHARED": "/nonexistent -shared"}
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib",
+                           str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'building extension "cacheidx.attention.native._kernel" failed' in (
+        done.stdout + done.stderr)
+    assert not list(tmp_path.rglob("_kernel*")), "nothing built"
+
+
+def paged_step():
+    """A decode step over a paged int8 pool (3 lanes, pages in a shuffled order) and its
+    reference output."""
+    rng = np.random.default_rng(0)
+    lens, width, kv, g, d = [40, 17, 33], 48, 2, 2, 64
+    n = 3 * width
+    table = rng.permutation(n).reshape(3, width)
+    index = ci.make(np.asarray(lens)[:, None] - 1, table)
+    everyone = ci.make(np.arange(n)[None, :], np.arange(n)[None, :])
+    kp, vp = (everyone.extend(rng.standard_normal((1, n, kv, d)).astype(np.float32),
+                              quantized.zeros(n, kv, d), donate=True)[1] for _ in range(2))
+    q = rng.standard_normal((3, 1, kv * g, d)).astype(np.float32)
+    k, v = (rng.standard_normal((3, 1, kv, d)).astype(np.float32) for _ in range(2))
+    return index, q, k, v, kp, vp
+
+
+def attend_twice() -> list:
+    outs = []
+    for _ in range(2):
+        index, q, k, v, kp, vp = paged_step()
+        outs.append(index.attend(q, k, v, kp, vp)[0])
+    return outs
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The kernel looked for anew, at the module name the test sets."""
+    monkeypatch.setattr(found, "_FOUND", [])
+    monkeypatch.delenv("CACHEIDX_NATIVE", raising=False)
+    return monkeypatch
+
+
+def warned(caught) -> list[str]:
+    return [str(w.message) for w in caught if "CPU kernel" in str(w.message)]
+
+
+def test_without_the_kernel_the_core_reads_and_says_so_once(fresh):
+    """No module built: :func:`~cacheidx.attention.native.kernel` is ``None``, exactly one
+    warning says why, however many calls follow, and the core's outputs are the kernel's
+    (within the attention law's tolerance)."""
+    with native.off():
+        want = attend_twice()
+    fresh.setattr(found, "MODULE", "cacheidx.attention.native._not_built")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = attend_twice()
+        assert native.kernel() is None
+    [said] = warned(caught)
+    assert "not built" in said and "C compiler" in said
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cacheidx_native_0_keeps_the_kernel_out_silently(fresh):
+    fresh.setenv("CACHEIDX_NATIVE", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.kernel() is None
+    assert warned(caught) == []
+
+
+def test_a_build_that_lays_out_its_arguments_otherwise_is_never_called(fresh):
+    """A module whose structs differ from this side's mirrors (a stale build): refused with
+    the one warning, and never called."""
+    calls = []
+    stale = types.ModuleType("stale_kernel")
+    size, fields = found.layout(found.Paged)
+    stale.layout = lambda: {"abi": found.ABI, "paged": (size, [(n, o + 8) for n, o in fields]),
+                            "run": found.layout(found.Run)}
+    stale.paged = stale.run = lambda args: calls.append(args) or 0
+    fresh.setitem(sys.modules, "stale_kernel", stale)
+    fresh.setattr(found, "MODULE", "stale_kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attend_twice()
+    [said] = warned(caught)
+    assert "lays out its arguments otherwise" in said
+    assert calls == [] and native.kernel() is None
+
+
+def test_the_built_kernel_lays_out_its_arguments_as_its_mirrors():
+    kernel_or_skip()
+    said = found.library().layout()
+    assert said["abi"] == found.ABI and said["rows"] == native.ROWS
+    for name, struct in (("paged", found.Paged), ("run", found.Run)):
+        size, fields = found.layout(struct)
+        assert said[name][0] == size and [tuple(f) for f in said[name][1]] == fields
+
+
+@pytest.mark.parametrize("entry", ["paged", "run"])
+def test_an_entry_given_other_bytes_than_its_struct_is_a_type_error(entry):
+    kernel_or_skip()
+    with pytest.raises(TypeError, match=f"_kernel.{entry}: takes the"):
+        getattr(found.library(), entry)(b"\0" * 8)
+
+
+# -- on torch: the operator cacheidx::paged ---------------------------------------------------
+def op_args(kind: str):
+    torch = pytest.importorskip("torch")
+    from cacheidx.attention.native import op  # noqa: F401  (registers cacheidx::paged)
+
+    rng = np.random.default_rng(1)
+    lanes, kv, g, d, n = 3, 2, 3, 64, 96
+    table = torch.as_tensor(rng.permutation(n).reshape(lanes, 32))
+    start = torch.tensor([0, 3, 0])
+    stop = torch.tensor([32, 20, 0])  # the last lane sees nothing
+
+    def pool():
+        x = torch.as_tensor(rng.standard_normal((n, kv, d)).astype(np.float32))
+        return list(quantized.quantize(x, 8)) if kind == "int8" else [x]
+
+    q = torch.as_tensor(rng.standard_normal((lanes, kv, g, d)).astype(np.float32)) * 0.125
+    return q, table, start, stop, pool(), pool()
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_the_paged_operator_passes_opcheck(kind):
+    kernel_or_skip()
+    torch = pytest.importorskip("torch")
+    args = op_args(kind)
+    m, l, acc, refused = torch.ops.cacheidx.paged(*args)
+    assert not bool(refused)
+    want = native.paged(args[0], args[1].numpy(), args[2].numpy(), args[3].numpy(),
+                        *(quantized.Quantized(*p) if len(p) == 2 else p[0] for p in args[4:]))
+    for a, b in zip((m, l, acc), want):
+        assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.cacheidx.paged.default, args)
+
+
+def test_the_paged_operator_compiles_as_one_node_and_says_a_refusal():
+    """Under ``torch.compile(fullgraph=True)`` the operator is one node of the fake's shapes
+    and gives eager's bits; a query that is not finite is refused (``refused`` true, the state
+    zeros)."""
+    kernel_or_skip()
+    torch = pytest.importorskip("torch")
+    args = op_args("float32")
+
+    def state(*a):
+        m, l, acc, refused = torch.ops.cacheidx.paged(*a)
+        return acc / l.clamp_min(1e-30)[..., None], refused
+
+    eager = state(*args)
+    compiled = torch.compile(state, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(eager[0], compiled[0]) and not bool(compiled[1])
+    bad = (args[0].clone().index_fill_(0, torch.tensor([1]), float("nan")), *args[1:])
+    m, l, acc, refused = torch.ops.cacheidx.paged(*bad)
+    assert bool(refused) and not acc.any() and not l.any()
