@@ -11,7 +11,10 @@ forward of one token per lane and its argmax under ``torch.inference_mode()``, t
 with the fastest and slowest. Every engine decodes the same tokens as transformers' static
 cache (float32: checked; int8's codes may move a token, which is said). The floor is the bytes
 a step must read (the weights and every lane's keys and values, codes and scales for int8) over
-the machine's measured one-thread bandwidth.
+the machine's measured one-thread bandwidth. Beside each step's wall time stands its CPU time
+(the process's, all its threads): on a loaded machine a step's wall time also counts the time
+other processes held the cores, its CPU time only its own, so the CPU ratio is the steadier one
+there (at 1 thread; at 2 it is the cores' time the step cost).
 
     python benchmarks/paged_reads.py [--json PATH] [--contexts 1024 4096 16384] [--lanes 8 32]
                                      [--steps N] [--kv float32 int8] [--threads 1 2]
@@ -32,6 +35,23 @@ import long_context as lc  # noqa: E402  (sets one thread before numpy and torch
 import numpy as np  # noqa: E402
 
 PAGE = 16
+
+#: each timed step's process CPU seconds, of the last :func:`timed_on_cpu`
+CPU_SECONDS: list[float] = []
+
+
+def timed_on_cpu(step, steps: int) -> tuple[list, list[float]]:
+    """``long_context.timed_steps``'s tokens and wall seconds, each step's CPU seconds kept in
+    :data:`CPU_SECONDS` (it stands in for ``timed_steps`` in this process: both engines time
+    their steps through it)."""
+    tokens, seconds = [step()], []
+    CPU_SECONDS.clear()
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        tokens.append(step())
+        seconds.append(time.perf_counter() - t0)
+        CPU_SECONDS.append(time.process_time() - c0)
+    return tokens, seconds
 
 
 def say(msg: str) -> None:
@@ -142,15 +162,16 @@ def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> 
         finally:
             torch.set_num_threads(1)
         ref = toks if ref is None else ref
-        med = statistics.median(seconds)
+        med, cpu = statistics.median(seconds), statistics.median(CPU_SECONDS)
         out.append({"context": context, "lanes": lanes, "engine": engine, "kv": kv,
                     "threads": t, "tokens_per_s": lanes / med, "step_ms": 1e3 * med,
+                    "cpu_ms": 1e3 * cpu,
                     "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
                     "floor_ms": 1e3 * floor, "same_tokens": toks == ref,
                     "wall_s": time.perf_counter() - t0})
         say(f"{engine} {kv} x{t} thread(s), {lanes} lanes x {context}: {lanes / med:.1f} "
             f"tokens/s (step {1e3 * med:.1f} ms, {1e3 * min(seconds):.1f} to "
-            f"{1e3 * max(seconds):.1f}); floor {1e3 * floor:.1f} ms")
+            f"{1e3 * max(seconds):.1f}; CPU {1e3 * cpu:.1f} ms); floor {1e3 * floor:.1f} ms")
     return out
 
 
@@ -159,14 +180,16 @@ def report(rows: list[dict], bw: float, steps: int) -> None:
           f"layers, nothing shared, {steps} steps after one to warm up; the floor reads the "
           f"weights and every lane's keys and values ({bw / 1e9:.1f} GB/s).\n")
     print("| lanes | context | engine | pools | threads | tokens/s | vs transformers static "
-          "| step ms (fastest-slowest) | floor ms | floor / step | same tokens |")
-    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---|")
+          "| step ms (fastest-slowest) | CPU ms a step | vs static (CPU) | floor ms "
+          "| floor / step | same tokens |")
+    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|")
     for r in rows:
         base = next(x for x in rows if x["engine"] == "transformers static"
                     and x["lanes"] == r["lanes"] and x["context"] == r["context"])
         print(f"| {r['lanes']} | {r['context']} | {r['engine']} | {r['kv']} | {r['threads']} "
               f"| {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
               f"| {r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
+              f"| {r['cpu_ms']:.1f} | {base['cpu_ms'] / r['cpu_ms']:.2f}x "
               f"| {r['floor_ms']:.1f} | {r['floor_ms'] / r['step_ms']:.2f} "
               f"| {'yes' if r['same_tokens'] else 'no'} |")
 
@@ -180,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv", nargs="+", default=["float32", "int8"], choices=["float32", "int8"])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = p.parse_args(argv)
+    lc.timed_steps = timed_on_cpu
     bw = lc.bandwidth()
     say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
     model, config, params, _ = lc.load("shaped")
