@@ -320,6 +320,30 @@ def plots(stem: str, data, img: Path) -> list[str]:
         ax.set_title(f"{stem}: a multi-turn chat's prompt tokens, per m")
         ax.legend(fontsize=7)
         save(fig, "tokens")
+    if isinstance(rows, list) and rows and {"server", "clients", "ttft_ms", "itl_ms"} <= set(
+            rows[0]):
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+        for server in dict.fromkeys(r["server"] for r in rows):
+            mine = sorted((r for r in rows if r["server"] == server), key=lambda r: r["clients"])
+            xs = [r["clients"] for r in mine]
+            style = dict(marker="o", ls="--" if server.startswith("transformers") else "-")
+            line, = axes[0].plot(xs, [r["requests_per_s"] for r in mine], label=server, **style)
+            for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+                ax.plot(xs, [r[key][0] for r in mine], color=line.get_color(), **style)
+                ax.fill_between(xs, [r[key][0] for r in mine], [r[key][1] for r in mine],
+                                color=line.get_color(), alpha=0.15)
+        for ax, what in zip(axes, ("requests/s", "time to first token (ms), p50 to p99",
+                                   "inter-token latency (ms), p50 to p99")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r["clients"] for r in rows}),
+                          [str(c) for c in sorted({r["clients"] for r in rows})])
+            ax.set_xlabel("concurrent streaming clients")
+            ax.set_title(what, fontsize=9)
+        axes[1].set_yscale("log")
+        axes[2].set_yscale("log")
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"{stem}: {data.get('model', '')}, multi-turn chat", fontsize=10)
+        save(fig, "latency")
     report = data.get("report")
     if isinstance(report, dict) and {"tokens", "computed", "minimum"} <= set(report):
         fig, ax = plt.subplots(figsize=(6, 3.2))
