@@ -75,6 +75,15 @@ def test_without_a_device_every_device_runs_once_named_one_way(two_gpus):
         ("jax", "cuda:0"), ("jax", "cuda:1")]
 
 
+def test_a_library_that_can_use_cuda_reports_the_cuda_it_does_not_see():
+    """The libraries whose checking part says ``cuda`` (torch, JAX, CuPy) get a "no device"
+    row for CUDA where none is visible; a host-only one (NumPy, strict) none."""
+    rows = runner.targets(["numpy", "strict", "torch", "jax"], found_by=lambda name: ["cpu"])
+    assert {r["backend"] for r in rows if r["device"] == "cuda"} == {"torch", "jax"}
+    assert [ci.backends.get(n).cuda for n in ("numpy", "strict", "torch", "jax")] == [
+        False, False, True, True]
+
+
 def test_a_device_a_backend_lacks_is_reported_not_run(two_gpus):
     rows = runner.targets(["numpy", "torch"], "cuda")
     assert {r["backend"]: r["status"] for r in rows} == {

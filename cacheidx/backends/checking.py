@@ -29,6 +29,9 @@ class HostChecking:
 
     #: whether the library computes on the host's CPU (its devices include ``cpu``)
     host: bool = True
+    #: whether the library can compute on CUDA devices (the law suite reports one it does not
+    #: see: a class attribute, read without importing the library)
+    cuda: bool = False
 
     def version(self: _Library) -> str | None:
         """The library's version, read from its imported module."""

@@ -107,6 +107,7 @@ class CupyChecking(HostChecking):
     """CUDA devices only; float32 products in full precision unless ``CUPY_TF32``."""
 
     host = False
+    cuda = True
 
     def devices(self) -> list[Any]:
         import cupy

@@ -170,6 +170,8 @@ class JaxChecking(HostChecking):
     """JAX's devices (its default platform's, then the host's), its matmul precision, and XLA's
     flags for a process that compiles the law suite's many small programs."""
 
+    cuda = True
+
     @classmethod
     def checking_env(cls, device_label: str) -> dict[str, str]:
         if device_label != "cpu":

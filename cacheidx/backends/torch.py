@@ -411,6 +411,8 @@ class TorchServing(PlainServing):
 class TorchChecking(HostChecking):
     """torch's devices (the CPU, each CUDA device), its float32 matmul precision."""
 
+    cuda = True
+
     def devices(self) -> list[Any]:
         import torch
 

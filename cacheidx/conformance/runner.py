@@ -82,7 +82,7 @@ def targets(names: list[str] | None = None, device: str | None = None, *,
             out.append({"backend": name, "device": "-", "status": f"broken: {e}"})
             continue
         if want is None and not any(label.startswith("cuda") for label in here):
-            if name in ("torch", "jax", "cupy"):
+            if cls.cuda:
                 out.append({"backend": name, "device": "cuda", "status":
                             f"no device: no CUDA device visible to {name}"})
         for label in here:
