@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from cacheidx.models import llama
 from cacheidx.serve import Engine, LlamaModel, Request, Sampling
 from cacheidx.serve.sampling import cut, safe
@@ -110,3 +112,39 @@ def test_the_engines_stop_strings_cost_linear_work():
     assert s.finish_reason == "stop" and s.text == text[:at]
     assert s.tokens == r.tokens[:at + len(stop)]
     assert sum(given) <= 5 * 400, sum(given)
+
+
+def test_a_streams_deltas_cost_linear_work_and_never_show_cut_text():
+    """The HTTP stream's choice (``app.Choice``) reads its sample's new tokens alone: over a
+    2,000-token answer its deltas detokenize at most 3 tokens a token (the whole text at each
+    step: 2,000,000), the stop token is never shown, and the deltas joined are the text cut
+    before the stop string, none of which a delta showed past it."""
+    pytest.importorskip("fastapi", reason="the HTTP server's extra (cacheidx[serve]) is not "
+                        "installed")
+    from cacheidx.serve.http.app import Choice
+
+    given = []
+
+    def counting(ids):
+        given.append(len(ids))
+        return letters(ids)
+
+    class Job:
+        request = Request("r", [1], 4000, stop={25})
+
+        class sample:
+            tokens: list = []
+
+        samples = [sample]
+
+    tokens = [t for t in random.Random(3).choices(range(25), k=2000) if t != 2] + [2, 3]
+    stop = letters([2, 3])  # "cd": first met at the end
+    c = Choice(Job(), 0, 0)
+    deltas = []
+    for k, t in enumerate(tokens):
+        Job.sample.tokens.append(t)
+        if k % 7 == 0:
+            Job.sample.tokens.append(25)  # the model's stop token: dropped from the text
+        deltas.append(c.advance(counting, (stop,)))
+    assert "".join(deltas) == letters(tokens[:-2])
+    assert sum(given) <= 3 * len(Job.sample.tokens), sum(given)
