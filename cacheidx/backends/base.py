@@ -100,8 +100,6 @@ class Library:
         return f"<cacheidx backend {self.name}>"
 
 
-
-
 class Backend(Library, StandardArrays, Eager, PlainServing, HostChecking):
     """One array library with the standard-only parts (:mod:`~cacheidx.backends.base`): an
     adapter subclasses it and overrides what its library does better (at least ``name``,

@@ -157,8 +157,6 @@ class TorchLibrary(Library):
         )
 
 
-
-
 class TorchArrays(StandardArrays):
     """Static-shape stores with drop and gated reads; eagerly through an index's plans (one
     class per way: :class:`HostStore`, :class:`DeviceStore`, :class:`TracedStore` and their
@@ -328,7 +326,6 @@ class TorchCompiling(Eager):
         return after.data_ptr() == before.data_ptr()
 
 
-
 class TorchServing(PlainServing):
     """A step compiled once per shape and replayed as a CUDA graph where inductor can; a
     linear layer through oneDNN on the CPU; eager serving under inference mode."""
@@ -407,7 +404,6 @@ class TorchServing(PlainServing):
         return a @ b
 
 
-
 class TorchChecking(HostChecking):
     """torch's devices (the CPU, each CUDA device), its float32 matmul precision."""
 
@@ -446,7 +442,6 @@ class TorchChecking(HostChecking):
         if device.type == "cpu":  # the CPU kernels compute float32 in float32
             return 23
         return {"highest": 23, "high": 10, "medium": 7}[torch.get_float32_matmul_precision()]
-
 
 
 class TorchBackend(TorchLibrary, TorchArrays, TorchCompiling, TorchServing, TorchChecking,
