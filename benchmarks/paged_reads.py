@@ -18,6 +18,11 @@ there (at 1 thread; at 2 it is the cores' time the step cost).
 
     python benchmarks/paged_reads.py [--json PATH] [--contexts 1024 4096 16384] [--lanes 8 32]
                                      [--steps N] [--kv float32 int8] [--threads 1 2]
+
+With ``--kernel`` it times the kernel alone instead: one layer's read (SmolLM2's 3 kv heads of
+64, its 3 query heads a kv head) of every lane's shuffled pages by one call of
+``cacheidx.attention.native.paged``, the median and fastest CPU time of ``--steps`` calls and
+the bytes a second that makes (codes and scales for int8).
 """
 
 from __future__ import annotations
@@ -194,6 +199,39 @@ def report(rows: list[dict], bw: float, steps: int) -> None:
               f"| {'yes' if r['same_tokens'] else 'no'} |")
 
 
+def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
+    """One layer's paged read by the kernel alone (see the module), on torch, one thread."""
+    import torch
+
+    from cacheidx import quantized
+    from cacheidx.attention import native
+
+    heads, g, d = 3, 3, 64
+    rng = np.random.default_rng(0)
+    table, n = shuffled_table(lanes, context)
+    start, stop = np.zeros(lanes, np.int64), np.full(lanes, context, np.int64)
+    q = torch.as_tensor(rng.standard_normal((lanes, heads, g, d), dtype=np.float32)) / 8
+    pools = []
+    for _ in range(2):  # head-major pools: each head's slots one after another
+        x = torch.as_tensor(rng.standard_normal((heads, n, d), dtype=np.float32))
+        if kv == "int8":
+            codes, scales = quantized.quantize(x, 8)
+            pools.append(quantized.Quantized(codes.permute(1, 0, 2), scales.permute(1, 0)))
+        else:
+            pools.append(x.permute(1, 0, 2))
+    seconds = []
+    for _ in range(calls + 1):
+        c0 = time.process_time()
+        if native.paged(q, table, start, stop, *pools) is None:
+            raise SystemExit("the CPU kernel is not built here (see docs/backends.md)")
+        seconds.append(time.process_time() - c0)
+    seconds = seconds[1:]
+    row = lanes * context * heads * 2 * (d * 4 if kv == "float32" else d + 4)
+    med = statistics.median(seconds)
+    return {"lanes": lanes, "context": context, "kv": kv, "cpu_ms": 1e3 * med,
+            "fastest_ms": 1e3 * min(seconds), "gb_per_s": row / med / 1e9}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH")
@@ -202,7 +240,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kv", nargs="+", default=["float32", "int8"], choices=["float32", "int8"])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--kernel", action="store_true", help="time the kernel alone, one layer")
     args = p.parse_args(argv)
+    if args.kernel:
+        print("| lanes | context | pools | kernel CPU ms, one layer (fastest) | GB/s |")
+        print("|---:|---:|---|---|---:|")
+        for lanes in args.lanes:
+            for context in args.contexts:
+                for kv in args.kv:
+                    r = kernel_alone(lanes, context, kv, args.steps)
+                    print(f"| {lanes} | {context} | {kv} | {r['cpu_ms']:.1f} "
+                          f"({r['fastest_ms']:.1f}) | {r['gb_per_s']:.2f} |", flush=True)
+        return 0
     lc.timed_steps = timed_on_cpu
     bw = lc.bandwidth()
     say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
