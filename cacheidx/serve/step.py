@@ -23,11 +23,12 @@ Laws of :class:`Step`:
 4. A decode call returns each lane's next token and ``index.advance()``'s positions; the next
    call over the same lanes is fed those, device to device, without the host. Eagerly, that
    next call's index is the last one's ``advance(table=...)`` over the scheduler's table now
-   (one per group, law 6), so its plan is carried wherever the table kept the columns the last
-   one read (:meth:`cacheidx.CacheIndex.advance`), also when the table grew by a page since,
-   and also across a prefill call in between (a lane joining, its prompt computed chunk by
-   chunk: the decode lanes are the same); with ``debug``, its positions and row map are
-   checked against the scheduler's. So a decode call makes its plan anew only where its
+   (one per group, law 6; ``advance()`` itself where that is the very table the last one read,
+   its host values declared already), so its plan is carried wherever the table kept the
+   columns the last one read (:meth:`cacheidx.CacheIndex.advance`), also when the table grew
+   by a page since, and also across a prefill call in between (a lane joining, its prompt
+   computed chunk by chunk: the decode lanes are the same); with ``debug``, its positions and
+   row map are checked against the scheduler's. So a decode call makes its plan anew only where its
    batch changed (a lane joined or left: :mod:`cacheidx.serve.scheduler`'s ``follows``).
 5. With ``debug``, every call's index is checked (:func:`cacheidx.check`) before the model
    reads it; a broken obligation is the engine's bug, never a request's: :class:`TableError`.
