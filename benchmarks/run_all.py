@@ -374,8 +374,11 @@ def page(results: list, quick: bool, kept: dict | None = None) -> str:
     out += ["", "## Summary", "", "| benchmark | what it measures | outcome | seconds |",
             "|---|---|---|---:|"]
     for name, title, r in results:
-        if r == "left out" and name in kept:
+        if r == "left out" and name in kept and kept[name][0]:
             out.append(kept[name][0])
+            continue
+        if r == "left out" and name in kept:  # a section the page had without a summary row
+            out.append(f"| `{name}` | {title} | kept from an earlier run | |")
             continue
         status = ("not present" if r is None else "not run" if r == "left out"
                   else "ok" if r["rc"] == 0 else f"failed (exit {r['rc']})")
@@ -405,14 +408,16 @@ def page(results: list, quick: bool, kept: dict | None = None) -> str:
 
 
 def sections(text: str) -> dict:
-    """A page's summary row and section per benchmark: ``{name: (row, section)}``."""
+    """A page's summary row and section per benchmark: ``{name: (row, section)}``; a section
+    the summary has no row for is kept too (its row ``None``), so that ``--only`` never drops
+    figures written by hand or by an earlier page's layout."""
     rows = {line.split("`")[1]: line for line in text.splitlines()
             if line.startswith("| `") and line.count("`") >= 2}
     found = {}
     for chunk in text.split("\n## ")[1:]:
         name = chunk.split("\n", 1)[0].strip()
-        if name in rows:
-            found[name] = (rows[name], "## " + chunk.rstrip("\n"))
+        if name not in ("Machine", "Summary"):
+            found[name] = (rows.get(name), "## " + chunk.rstrip("\n"))
     return found
 
 

@@ -97,3 +97,19 @@ def test_run_all_only_measures_again_and_keeps_the_other_sections(tmp_path):
     assert "| decode | 7.5 |" in text  # prefix.py measured again
     assert text.index("## extend.py") < text.index("## prefix.py")
     assert text.count("python benchmarks/run_all.py") == 1
+
+
+def test_only_keeps_a_section_the_summary_has_no_row_for():
+    # a section written into the page without its summary row (by hand, or by an older layout)
+    # was dropped by the next `--only` run: its figures lost
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import run_all
+
+    old = ("# Performance\n\n## Summary\n\n| benchmark | what | outcome | seconds |\n"
+           "|---|---|---|---:|\n\n## paged_reads.py\n\nPaged reads.\n\n"
+           "| lanes | ratio |\n|---|---|\n| 8 | 1.22x |\n")
+    kept = run_all.sections(old)
+    assert kept["paged_reads.py"][0] is None and "1.22x" in kept["paged_reads.py"][1]
+    text = run_all.page([("paged_reads.py", "Paged reads", "left out")], quick=False, kept=kept)
+    assert "| 8 | 1.22x |" in text
+    assert "| `paged_reads.py` | Paged reads | kept from an earlier run | |" in text
