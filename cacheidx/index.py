@@ -122,16 +122,11 @@ class CacheIndex:
             draft=self.draft_slots is not None,
         )
 
-    def tensors(self) -> list[Any]:
-        """The index's tensors, in the spec's walk order: row, positions, table, tables of
-        blocks, selection, draft slots, draft sees (each where present)."""
-        return pytree.leaves(self)
-
     @classmethod
     def rebuild(cls, structure: Structure, tensors: Any, *, backend: Any = None,
                 plan: Plan | None = None) -> CacheIndex:
-        """The index of ``structure`` over ``tensors`` (in :meth:`tensors`' order):
-        ``CacheIndex.rebuild(ix.structure, ix.tensors())`` is ``ix`` again. ``backend``: the
+        """The index of ``structure`` over ``tensors`` (in :func:`~cacheidx.pytree.leaves`' order):
+        ``CacheIndex.rebuild(ix.structure, pytree.leaves(ix))`` is ``ix`` again. ``backend``: the
         tensors' library's adapter, found from them when ``None``. ``plan``: a :class:`Plan`
         the index keeps (shared with the index it came from; it follows the values, so a plan
         of other values is only ever remade, never misread)."""
@@ -144,13 +139,13 @@ class CacheIndex:
                 # for other values is then made anew, never misread
                 on_host = index.backend.on_host
                 index._known.update((name, v) for name, v, t in zip(
-                    names, values, index.tensors(), strict=True) if on_host(t))
+                    names, values, pytree.leaves(index), strict=True) if on_host(t))
         return index
 
     def map(self, fn: Any) -> CacheIndex:
         """The index whose every tensor is ``fn`` of this one's (placed elsewhere, copied to
         another library: the backend is the results' library's)."""
-        return CacheIndex.rebuild(self.structure, [fn(t) for t in self.tensors()])
+        return CacheIndex.rebuild(self.structure, [fn(t) for t in pytree.leaves(self)])
 
     def __getstate__(self) -> dict:
         # the plan and the host values belong to this process's arrays: never pickled
@@ -177,7 +172,7 @@ class CacheIndex:
         backend = self.backend
         if backend.tracing(self.pos):
             raise arguments.fail("host", "a traced index has no values on the host")
-        names, tensors = pytree.leaf_names(self.structure), self.tensors()
+        names, tensors = pytree.leaf_names(self.structure), pytree.leaves(self)
         taken = getattr(_TAKEN, "on", False)  # inside advance(): the known values as they are
         with _HOST:
             known, changed = self._known, self._host is None
@@ -201,14 +196,15 @@ class CacheIndex:
 
     def refilled(self, values: Sequence[Any]) -> CacheIndex:
         """Declares that the index's tensors hold ``values`` now (NumPy, one for each of
-        :meth:`tensors`, in its order): the writer's word, where it wrote them in place (a
-        CUDA graph's buffers refilled, the engine's copies) or made them from these values.
+        :func:`~cacheidx.pytree.leaves`, in its order): the writer's word, where it wrote
+        them in place (a CUDA graph's buffers refilled, the engine's copies) or made them from
+        these values.
         The plan follows (its parts are made anew where the values differ from those they
         were made from), and nothing is read back from the device. The index keeps
         ``values``: the caller writes no more into them. Returns the index.
 
         Raises if ``values`` does not hold one array of each tensor's shape."""
-        names, tensors = pytree.leaf_names(self.structure), self.tensors()
+        names, tensors = pytree.leaf_names(self.structure), pytree.leaves(self)
         values = list(values)
         if len(values) != len(tensors):
             raise arguments.fail("refilled", f"the index has {len(tensors)} tensors "
@@ -231,8 +227,8 @@ class CacheIndex:
         nxt = dataclasses.replace(self, **changes)
         known = self._known
         if known:
-            mine = dict(zip(pytree.leaf_names(self.structure), self.tensors(), strict=True))
-            for name, t in zip(pytree.leaf_names(nxt.structure), nxt.tensors(), strict=True):
+            mine = dict(zip(pytree.leaf_names(self.structure), pytree.leaves(self), strict=True))
+            for name, t in zip(pytree.leaf_names(nxt.structure), pytree.leaves(nxt), strict=True):
                 if name in known and mine.get(name) is t:
                     nxt._known[name] = known[name]
         return nxt
@@ -413,7 +409,7 @@ class CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
         move = self.backend.to_device
-        moved = CacheIndex.rebuild(self.structure, [move(x, device) for x in self.tensors()],
+        moved = CacheIndex.rebuild(self.structure, [move(x, device) for x in pytree.leaves(self)],
                                    backend=self.backend)
         moved._known.update(self._known)  # the same values, elsewhere
         return moved

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import backends
+from . import backends, pytree
 from .devices import to_host
 from .index import CacheIndex
 
@@ -63,7 +63,7 @@ def check(index: CacheIndex) -> CacheIndex:
         raise TypeError(f"cacheidx.check: expected a CacheIndex, got {type(index).__name__}")
     if index.kind != "tabled":
         return index
-    if any(index.backend.tracing(x) for x in index.tensors()):
+    if any(index.backend.tracing(x) for x in pytree.leaves(index)):
         eager = _EAGER.get(index.backend.name)
         if eager is None:
             raise TypeError(HOST_ONLY)

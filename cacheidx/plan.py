@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from . import pytree
 from .devices import to_host
 
 __all__ = ["CARRY", "Plan", "Recent", "keeps_columns"]
@@ -75,7 +76,7 @@ class Plan:
 
     def fits(self, values: Sequence[np.ndarray]) -> bool:
         """Whether the parts were made from ``values`` (an index's host values, in its walk
-        order: ``index.host().tensors()``)."""
+        order: ``pytree.leaves(index.host())``)."""
         kept = self._values
         return kept is not None and _equal(kept, values)
 
@@ -125,7 +126,7 @@ class Plan:
         plan = Plan()
         with _LOCK:
             parts = {k: p for k, p in self._parts.items() if k[0] in CARRY}
-        if not parts or not self.fits(index.host().tensors()):  # nothing to carry
+        if not parts or not self.fits(pytree.leaves(index.host())):  # nothing to carry
             return plan
         if nxt.table is not index.table and not keeps_columns(index, nxt):
             return plan
@@ -135,7 +136,7 @@ class Plan:
             if got is not None:
                 plan._parts[(kind, *key)] = got
         if plan._parts:
-            plan._values = tuple(nxt.host().tensors())
+            plan._values = tuple(pytree.leaves(nxt.host()))
         return plan
 
     def __repr__(self) -> str:
@@ -206,7 +207,7 @@ def follow(index: Any) -> Plan:
     from (:meth:`Plan.follow`). Every eager call asks it once, before any layer reads a part;
     traced, it does nothing."""
     if not index.backend.tracing(index.pos):
-        index.plan.follow(index.host().tensors())
+        index.plan.follow(pytree.leaves(index.host()))
     return index.plan
 
 

@@ -85,7 +85,7 @@ def decode(xp, step, params, pools, *, place=lambda x: x, place_index=lambda i: 
 def jax_decode() -> dict:
     import jax
 
-    from cacheidx import parallel
+    from cacheidx import parallel, pytree
     from cacheidx.models.llama import forward
 
     parallel.initialize("jax")
@@ -111,7 +111,7 @@ def jax_decode() -> dict:
                                               for sh in p.addressable_shards}))
         checks["index_whole"].append(all(
             x.sharding.is_fully_replicated and len(x.sharding.device_set) == group.size
-            for x in index.tensors()))
+            for x in pytree.leaves(index)))
         checks["programs"].append(len(traces))
 
     logits = decode(jax.numpy, run, params, pools, place=group.place,

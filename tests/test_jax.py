@@ -154,8 +154,8 @@ def test_flatten_then_unflatten_gives_the_index_back(x64, kind):
     leaves, treedef = jax.tree_util.tree_flatten(ix)
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert back.structure == ix.structure and back.backend is BACKEND
-    assert all(a is b for a, b in zip(back.tensors(), ix.tensors(), strict=True))
-    assert all(x is y for x, y in zip(leaves, ix.tensors(), strict=True))
+    assert all(a is b for a, b in zip(ci.pytree.leaves(back), ci.pytree.leaves(ix), strict=True))
+    assert all(x is y for x, y in zip(leaves, ci.pytree.leaves(ix), strict=True))
     want = "int64" if x64 == HUGE else "int32"
     assert {str(x.dtype) for x in leaves} <= {want, "bool"}
 
@@ -421,7 +421,7 @@ def test_to_device_takes_a_device_and_a_sharding_of_one():
     for where in (device, jax.sharding.SingleDeviceSharding(device)):
         moved = ix.to_device(where)
         assert moved.structure == ix.structure
-        for x, y in zip(moved.tensors(), ix.tensors(), strict=True):
+        for x, y in zip(ci.pytree.leaves(moved), ci.pytree.leaves(ix), strict=True):
             assert x.devices() == {device}
             same(x, y)
 
@@ -445,7 +445,7 @@ EIGHT_DEVICES = textwrap.dedent("""
         out[name] = [{"devices": len(x.sharding.device_set),
                       "whole": all(s.data.shape == x.shape for s in x.addressable_shards),
                       "shards": len(x.addressable_shards)}
-                     for x in ix.to_device(where).tensors()]
+                     for x in ci.pytree.leaves(ix.to_device(where))]
 
     # a prefill and two decode steps: pools cut along the heads, the index replicated
     cfg = Config.tiny(heads=8, kv_heads=8, dim=64, layers=2)

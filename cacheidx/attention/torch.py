@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .. import pools
+from .. import pools, pytree
 from ..plan import Recent
 from . import layout, paged
 
@@ -115,7 +115,7 @@ def operands(index: Any, kind: str = "floats") -> tuple[str, list[int], int, int
     symbolic; the operator sees them concrete), its tensors."""
     s = index.structure
     return (f"{_encode(s)};{kind}", list(s.blocks), s.every,
-            -1 if s.window is None else s.window, list(index.tensors()))
+            -1 if s.window is None else s.window, pytree.leaves(index))
 
 
 def _encode(structure: Any) -> str:
