@@ -59,7 +59,10 @@ def engine(lanes: int, context: int, repeat: int) -> dict[str, list[float]]:
     pools = [rng.standard_normal((lanes * width, 1, 1), dtype=np.float32) for _ in range(2)]
     q, k, v = (rng.standard_normal((lanes, 1, 1, 1), dtype=np.float32) for _ in range(3))
     base = np.arange(lanes)[:, None] * width
-    declares = hasattr(ci.CacheIndex, "refilled")
+    # the writer's word: cacheidx.plan.refilled (CacheIndex.refilled before it moved there;
+    # neither on the commits before host-first plans)
+    refill = getattr(ci.plan, "refilled", None) or getattr(ci.CacheIndex, "refilled", None)
+    declares = refill is not None
     row = np.arange(lanes, dtype=np.int64)
     out: dict[str, list[float]] = {"carried": [], "anew": []}
     for way in out:
@@ -83,7 +86,7 @@ def engine(lanes: int, context: int, repeat: int) -> dict[str, list[float]]:
                 pos = np.full((lanes, 1), at, dtype=np.int64)
                 ix = ci.make(pos.copy(), tab, row=row.copy())
                 if declares:
-                    ix.refilled([row, pos, h])
+                    refill(ix, [row, pos, h])
             ix.attend(q, k, v, *pools, donate=True)
             t1 = time.perf_counter()
             ix.attend(q, k, v, *pools, donate=True)  # the same layer again: its plan kept

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import _arguments as arguments
-from . import backends
+from . import backends, plan
 from .index import CacheIndex
 
 __all__ = ["make", "rows", "whole", "packed"]
@@ -99,7 +99,7 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
     index = CacheIndex(kind="tabled", pos=to(pos), table=to(table),
                        blocks=tuple((m, to(b)) for m, b in blocks))
     # the host keeps the values it built (cacheidx.plan's host-first law)
-    return index.refilled([pos, table, *(b for _, b in blocks)])
+    return plan.refilled(index, [pos, table, *(b for _, b in blocks)])
 
 
 def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
@@ -125,7 +125,7 @@ def whole(batch: int, seq: int, *, lens: Any = None, xp: Any = None,
         if n > seq:
             raise arguments.fail("whole", f"a lane of {n} tokens does not fit seq={seq}")
     pos = _left_padded(lens, seq)
-    return CacheIndex(kind="whole", pos=_converter(xp, device)(pos)).refilled([pos])
+    return plan.refilled(CacheIndex(kind="whole", pos=_converter(xp, device)(pos)), [pos])
 
 
 def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheIndex:
@@ -151,7 +151,7 @@ def packed(seq: int, lens: Any, *, xp: Any = None, device: Any = None) -> CacheI
         for n in lane:
             pos[b, start:start + n] = np.arange(n)
             start += n
-    return CacheIndex(kind="packed", pos=_converter(xp, device)(pos)).refilled([pos])
+    return plan.refilled(CacheIndex(kind="packed", pos=_converter(xp, device)(pos)), [pos])
 
 
 def _items(fn: str, name: str, items: Any) -> list:

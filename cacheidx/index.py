@@ -7,18 +7,17 @@ once on them, near the top; the laws themselves live in :mod:`cacheidx.laws`.
 
 The index holds its fields, its structure, the indices derived from it (``window``,
 ``select``, ``draft``, ``every``, ``advance``), its positions and the host's values of its
-tensors; what it computes lives in modules of their own, which take an index: what each token
-sees in :mod:`cacheidx.masks`, where a call's rows are stored and read in
-:mod:`cacheidx.storage`, what a call is given checked in :mod:`cacheidx.validation`, the
-pytree in :mod:`cacheidx.pytree`, a pool's kind in :mod:`cacheidx.pools`, and attention in
-:func:`cacheidx.attention.attend`. ``mask``, ``visible``, ``extend`` and ``attend`` are the
-API's facades over them.
+tensors (``known``, read through :func:`cacheidx.plan.host`); what it computes lives in
+modules of their own, which take an index: what each token sees in :mod:`cacheidx.masks`,
+where a call's rows are stored and read in :mod:`cacheidx.storage`, what a call is given
+checked in :mod:`cacheidx.validation`, the pytree in :mod:`cacheidx.pytree`, a pool's kind in
+:mod:`cacheidx.pools`, and attention in :func:`cacheidx.attention.attend`. ``mask``,
+``visible``, ``extend`` and ``attend`` are the API's facades over them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +26,6 @@ import numpy as np
 from . import _arguments as arguments
 from . import backends, masks, pools, pytree, storage, validation
 from . import plan as plans
-from .devices import to_host
 from .laws import inside
 from .plan import Plan
 
@@ -73,17 +71,18 @@ class CacheIndex:
     #: every derived index starts a plan of its own (``dataclasses.replace`` never copies it),
     #: and a traced one has none (its parts are computed inside the program)
     plan: Plan | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
+    #: the host's values of its tensors (:func:`cacheidx.plan.host`): a constructor's, those
+    #: ``advance()`` works out, a writer's word (:func:`cacheidx.plan.refilled`); like the
+    #: plan, never copied by ``dataclasses.replace`` (a derived index is handed the values of
+    #: the tensors it keeps: :meth:`_derived`)
+    known: plans.Known = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend is None:
             object.__setattr__(self, "backend", backends.get(self.pos))
         if not self.backend.tracing(self.pos):
             object.__setattr__(self, "plan", Plan())
-        # the host values of the tensors by leaf name (:meth:`host`), and the host index last
-        # made of them; not fields, so ``dataclasses.replace`` never copies them (a derived
-        # index is handed what still holds: :meth:`_derived`)
-        object.__setattr__(self, "_known", {})
-        object.__setattr__(self, "_host", None)
+        object.__setattr__(self, "known", plans.Known())
 
     # -- what the index is ------------------------------------------------------------------
     @property
@@ -135,10 +134,10 @@ class CacheIndex:
             object.__setattr__(index, "plan", plan)
             values, names = plan.values, pytree.leaf_names(structure)
             if values is not None and len(values) == len(names):
-                # candidates only where they are compared (:meth:`host`): a plan handed out
-                # for other values is then made anew, never misread
+                # candidates only where they are compared (cacheidx.plan.host): a plan handed
+                # out for other values is then made anew, never misread
                 on_host = index.backend.on_host
-                index._known.update((name, v) for name, v, t in zip(
+                index.known.values.update((name, v) for name, v, t in zip(
                     names, values, pytree.leaves(index), strict=True) if on_host(t))
         return index
 
@@ -149,88 +148,23 @@ class CacheIndex:
 
     def __getstate__(self) -> dict:
         # the plan and the host values belong to this process's arrays: never pickled
-        return {k: v for k, v in self.__dict__.items() if k not in ("plan", "_known", "_host")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("plan", "known")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__["plan"] = None if self.backend.tracing(self.pos) else Plan()
-        self.__dict__["_known"], self.__dict__["_host"] = {}, None
-
-    # -- the host's values --------------------------------------------------------------------
-    def host(self) -> CacheIndex:
-        """This index over NumPy arrays of the values its tensors hold, as the host knows
-        them: the values it was built from (a constructor's, :meth:`advance`'s next
-        positions, a writer's declaration: :meth:`refilled`), never read back from a device.
-        A tensor in host memory (NumPy's, a CPU tensor: ``Backend.on_host``) is compared with
-        them, which costs no copy, and copied again where it holds other values now (written
-        in place behind the library's back); a device tensor the host was never told the
-        values of (an array handed to :func:`~cacheidx.make` or :meth:`select`) is read once,
-        the first time they are asked for. Integers are int64 on the host. The plan
-        (:mod:`cacheidx.plan`) is made from these values, and so are the runs a call reads.
-
-        Raises on a traced index, which has no values."""
-        backend = self.backend
-        if backend.tracing(self.pos):
-            raise arguments.fail("host", "a traced index has no values on the host")
-        names, tensors = pytree.leaf_names(self.structure), pytree.leaves(self)
-        taken = getattr(_TAKEN, "on", False)  # inside advance(): the known values as they are
-        with _HOST:
-            known, changed = self._known, self._host is None
-            for name, t in zip(names, tensors, strict=True):
-                have = known.get(name)
-                if taken and have is not None:
-                    continue
-                if backend.on_host(t):
-                    now = _kept(to_host(t))
-                    if have is None or not _same(have, now):
-                        known[name] = np.array(now, copy=True)
-                        changed = True
-                elif have is None:  # never told: read back once
-                    known[name] = np.array(_kept(to_host(t)), copy=True)
-                    changed = True
-            if changed:
-                host = CacheIndex.rebuild(self.structure, [known[n] for n in names],
-                                          backend=backends.get("numpy"))
-                object.__setattr__(self, "_host", host)
-            return self._host
-
-    def refilled(self, values: Sequence[Any]) -> CacheIndex:
-        """Declares that the index's tensors hold ``values`` now (NumPy, one for each of
-        :func:`~cacheidx.pytree.leaves`, in its order): the writer's word, where it wrote
-        them in place (a CUDA graph's buffers refilled, the engine's copies) or made them from
-        these values.
-        The plan follows (its parts are made anew where the values differ from those they
-        were made from), and nothing is read back from the device. The index keeps
-        ``values``: the caller writes no more into them. Returns the index.
-
-        Raises if ``values`` does not hold one array of each tensor's shape."""
-        names, tensors = pytree.leaf_names(self.structure), pytree.leaves(self)
-        values = list(values)
-        if len(values) != len(tensors):
-            raise arguments.fail("refilled", f"the index has {len(tensors)} tensors "
-                                 f"({', '.join(names)}), got {len(values)} values")
-        given = [_kept(np.asarray(v)) for v in values]
-        for i, (name, t, v) in enumerate(zip(names, tensors, given, strict=True)):
-            if tuple(v.shape) != tuple(t.shape):
-                raise arguments.fail("refilled", f"{name} has shape {list(t.shape)}, its "
-                                     f"values {list(v.shape)}")
-            if self.backend.on_host(t) and np.may_share_memory(v, to_host(t)):
-                given[i] = np.array(v, copy=True)  # compared with the tensor: not its memory
-        with _HOST:
-            self._known.update(zip(names, given, strict=True))
-            object.__setattr__(self, "_host", None)
-        return self
+        self.__dict__["known"] = plans.Known()
 
     def _derived(self, **changes: Any) -> CacheIndex:
         """``dataclasses.replace(self, **changes)``, knowing this index's host values of the
         tensors it keeps (the same arrays)."""
         nxt = dataclasses.replace(self, **changes)
-        known = self._known
+        known = self.known.values
         if known:
             mine = dict(zip(pytree.leaf_names(self.structure), pytree.leaves(self), strict=True))
             for name, t in zip(pytree.leaf_names(nxt.structure), pytree.leaves(nxt), strict=True):
                 if name in known and mine.get(name) is t:
-                    nxt._known[name] = known[name]
+                    nxt.known.values[name] = known[name]
         return nxt
 
     def __repr__(self) -> str:
@@ -336,11 +270,11 @@ class CacheIndex:
         in order, checked as ``table`` is; they take the old ones' place, and a plan's part
         that reads them is made anew.
 
-        The next positions are computed on the host too (:meth:`host`), and ``host`` (with
-        ``table``) gives the values ``table`` and ``blocks`` hold, ``[table, *blocks]`` in
-        NumPy, as their writer wrote them (:meth:`refilled`'s word): the plan is carried by
-        comparing those, so nothing is read back from a device. Without it, a new table on a
-        device is read back once.
+        The next positions are computed on the host too (:func:`cacheidx.plan.host`), and
+        ``host`` (with ``table``) gives the values ``table`` and ``blocks`` hold, ``[table,
+        *blocks]`` in NumPy, as their writer wrote them (:func:`cacheidx.plan.refilled`'s
+        word): the plan is carried by comparing those, so nothing is read back from a device.
+        Without it, a new table on a device is read back once.
 
         Raises on a whole or packed index; with ``table``, if it is not an array of the
         index's library and dtype, of 2 axes and as many rows as the index's table, on its
@@ -368,21 +302,18 @@ class CacheIndex:
             return nxt
         # the host's values of the next index: its positions worked out here, its tables
         # the writer's; taken as the host knows them, compared with no tensor: the next
-        # index's first call compares its tensors in host memory with them (host()), so a
+        # index's first call compares its tensors in host memory with them (plan.host), so a
         # write behind the library's back is seen there, and a step's advance() costs no pass
         # over its table (issue 36.2)
-        _TAKEN.on = True
-        try:
+        with plans.taken():
             return self._advanced_host(nxt, table, blocks, host)
-        finally:
-            _TAKEN.on = False
 
     def _advanced_host(self, nxt: CacheIndex, table: Any, blocks: Any,
                        host: Sequence[Any] | None) -> CacheIndex:
         """:meth:`advance`'s host half: ``nxt``'s host values and the plan carried to it."""
-        now = self.host()
-        nxt._known["tokens.pos"] = np.clip(np.max(now.pos, axis=1, keepdims=True), -1,
-                                           None) + 1
+        now = plans.host(self)
+        nxt.known.values["tokens.pos"] = np.clip(np.max(now.pos, axis=1, keepdims=True), -1,
+                                                 None) + 1
         if host is not None:
             named = ["tokens.table"]
             if blocks is not None:
@@ -392,15 +323,8 @@ class CacheIndex:
                 raise arguments.fail("advance", f"host must hold the values of table"
                                      f"{' and of each of blocks' if blocks is not None else ''}"
                                      f" ({len(named)} arrays), got {len(given)}")
-            arrays = [nxt.table, *(b for _, b in nxt.blocks)]
-            for name, t, v in zip(named, arrays, given):
-                v = _kept(np.asarray(v))
-                if tuple(v.shape) != tuple(t.shape):
-                    raise arguments.fail("advance", f"host's values of {name[7:]} have shape "
-                                         f"{list(v.shape)}, the array {list(t.shape)}")
-                if self.backend.on_host(t) and np.may_share_memory(v, to_host(t)):
-                    v = np.array(v, copy=True)  # compared with the tensor: not its memory
-                nxt._known[name] = v
+            plans.declare("advance", nxt, named, given, wrong="host's values of {short} have "
+                          "shape {values}, the array {tensor}")
         # the parts that follow from this plan's
         object.__setattr__(nxt, "plan", self.plan.advanced(self, nxt))
         return nxt
@@ -411,7 +335,7 @@ class CacheIndex:
         move = self.backend.to_device
         moved = CacheIndex.rebuild(self.structure, [move(x, device) for x in pytree.leaves(self)],
                                    backend=self.backend)
-        moved._known.update(self._known)  # the same values, elsewhere
+        moved.known.values.update(self.known.values)  # the same values, elsewhere
         return moved
 
     # -- the call's tokens ------------------------------------------------------------------
@@ -520,24 +444,6 @@ class CacheIndex:
         if run is fn or any(backend.tracing(a) for a in (self.pos, *plans.arrays(args))):
             return fn(self, *args)
         return run(self, *args)
-
-
-#: one lock for every index's host values (each section under it a few comparisons)
-_HOST = threading.Lock()
-#: set (in this thread) while :meth:`CacheIndex.advance` works out the next index's host values
-#: and plan: :meth:`CacheIndex.host` then takes the values it knows without comparing a tensor
-_TAKEN = threading.local()
-
-
-def _kept(a: np.ndarray) -> np.ndarray:
-    """A host array of index values as the host keeps them: integers as int64."""
-    if a.dtype.kind in "iu" and a.dtype != np.int64:
-        return a.astype(np.int64)
-    return a
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a is b or (a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b))
 
 
 #: the index as a pytree node, for every library with a pytree registry

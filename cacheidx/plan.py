@@ -17,9 +17,9 @@ where the compiler shares them between layers.
 
 Law (host first): **an eager decode step on a device backend copies nothing from the device
 to the host except the sampled tokens.** The values a plan is made from are the host's own
-(:meth:`CacheIndex.host <cacheidx.CacheIndex.host>`): the NumPy arrays the index was built
+(:func:`host`): the NumPy arrays the index was built
 from, the next positions :meth:`~cacheidx.CacheIndex.advance` works out on the host, or those
-a writer declares (:meth:`~cacheidx.CacheIndex.refilled`, ``advance(table=, host=)``: the
+a writer declares (:func:`refilled`, ``advance(table=, host=)``: the
 serving engine declares every table it writes), never a device tensor read back. Only a tensor
 in host memory (``Backend.on_host``: NumPy's, a CPU tensor) is compared with them, which costs
 no copy. Attention keeps the rest of the law: its runs and tiles are found on the host index,
@@ -36,16 +36,19 @@ table or over one that holds the same values at the old table's columns (:func:`
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import pytree
+from . import _arguments as arguments
+from . import backends, pytree
 from .devices import to_host
 
-__all__ = ["CARRY", "Plan", "Recent", "keeps_columns"]
+__all__ = ["CARRY", "Known", "Plan", "Recent", "declare", "host", "keeps_columns", "refilled",
+           "taken"]
 
 #: kind of part -> ``carry(index, nxt, key, part)``: the part again for ``nxt =
 #: index.advance()`` (or ``index.advance(table=...)``, whose lanes' rows hold the old table's
@@ -61,8 +64,7 @@ class Plan:
 
     def __init__(self) -> None:
         # plain attributes only: a compiler rebuilding an index inside a trace makes one too
-        #: the index's host values (:meth:`CacheIndex.host
-        #: <cacheidx.CacheIndex.host>`) the parts were made from; None before any
+        #: the index's host values (:func:`host`) the parts were made from; None before any
         self._values: tuple[np.ndarray, ...] | None = None
         self._parts: dict[tuple, Any] = {}
         #: parts made so far (by every ``make`` called): what a test or benchmark counts
@@ -76,7 +78,7 @@ class Plan:
 
     def fits(self, values: Sequence[np.ndarray]) -> bool:
         """Whether the parts were made from ``values`` (an index's host values, in its walk
-        order: ``pytree.leaves(index.host())``)."""
+        order: ``pytree.leaves(host(index))``)."""
         kept = self._values
         return kept is not None and _equal(kept, values)
 
@@ -126,7 +128,7 @@ class Plan:
         plan = Plan()
         with _LOCK:
             parts = {k: p for k, p in self._parts.items() if k[0] in CARRY}
-        if not parts or not self.fits(pytree.leaves(index.host())):  # nothing to carry
+        if not parts or not self.fits(pytree.leaves(host(index))):  # nothing to carry
             return plan
         if nxt.table is not index.table and not keeps_columns(index, nxt):
             return plan
@@ -136,7 +138,7 @@ class Plan:
             if got is not None:
                 plan._parts[(kind, *key)] = got
         if plan._parts:
-            plan._values = tuple(pytree.leaves(nxt.host()))
+            plan._values = tuple(pytree.leaves(host(nxt)))
         return plan
 
     def __repr__(self) -> str:
@@ -177,8 +179,8 @@ def keeps_columns(index: Any, nxt: Any) -> bool:
     """Whether ``nxt``'s table holds, on the row each lane of ``index`` reads (its row map's,
     row 0 for a lane of padding, as :func:`cacheidx.masks.lane_table` reads), the values
     ``index``'s table holds at every one of its columns; compared on the host's values
-    (:meth:`~cacheidx.CacheIndex.host`)."""
-    index, nxt = index.host(), nxt.host()
+    (:func:`host`)."""
+    index, nxt = host(index), host(nxt)
     old, new = index.table, nxt.table
     rows, width = old.shape
     if new.shape[0] != rows or new.shape[1] < width or new.dtype != old.dtype:
@@ -197,17 +199,17 @@ def _equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
 
 
 def _int64(a: np.ndarray) -> np.ndarray:
-    """Index values as an index's host keeps them (:meth:`~cacheidx.CacheIndex.host`)."""
+    """Index values as an index's host keeps them (:func:`host`): integers as int64."""
     return a.astype(np.int64) if a.dtype.kind in "iu" and a.dtype != np.int64 else a
 
 
 def follow(index: Any) -> Plan:
     """``index.plan``, its parts dropped first where the index's host values
-    (:meth:`CacheIndex.host <cacheidx.CacheIndex.host>`) are no longer those they were made
+    (:func:`host`) are no longer those they were made
     from (:meth:`Plan.follow`). Every eager call asks it once, before any layer reads a part;
     traced, it does nothing."""
     if not index.backend.tracing(index.pos):
-        index.plan.follow(pytree.leaves(index.host()))
+        index.plan.follow(pytree.leaves(host(index)))
     return index.plan
 
 
@@ -227,3 +229,118 @@ def arrays(value: Any) -> list[Any]:
     if isinstance(value, tuple):
         return [a for part in value for a in arrays(part)]
     return [value] if hasattr(value, "shape") else []
+
+
+# -- the host's values of an index --------------------------------------------------------------
+class Known:
+    """The host's values of one index's tensors (its ``known`` field): NumPy arrays by leaf
+    name (:func:`cacheidx.pytree.leaf_names`), never written to, and the host index last made
+    of them (:func:`host`). Not an index's field of value: ``dataclasses.replace`` never copies
+    it, and a derived index is handed the values of the tensors it keeps."""
+
+    __slots__ = ("index", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[str, np.ndarray] = {}
+        self.index: Any = None
+
+
+def host(index: Any) -> Any:
+    """``index`` over NumPy arrays of the values its tensors hold, as the host knows them: the
+    values it was built from (a constructor's, ``advance()``'s next positions, a writer's
+    declaration: :func:`refilled`), never read back from a device. A tensor in host memory
+    (NumPy's, a CPU tensor: ``Backend.on_host``) is compared with them, which costs no copy,
+    and copied again where it holds other values now (written in place behind the library's
+    back); a device tensor the host was never told the values of (an array handed to
+    :func:`~cacheidx.make` or ``select``) is read once, the first time they are asked for.
+    Integers are int64 on the host. The plan is made from these values, and so are the runs a
+    call reads.
+
+    Raises on a traced index, which has no values."""
+    backend = index.backend
+    if backend.tracing(index.pos):
+        raise arguments.fail("plan.host", "a traced index has no values on the host")
+    names, tensors = pytree.leaf_names(index.structure), pytree.leaves(index)
+    kept = getattr(_TAKEN, "on", False)  # inside advance(): the known values as they are
+    with _HOST:
+        known = index.known
+        values, changed = known.values, known.index is None
+        for name, t in zip(names, tensors, strict=True):
+            have = values.get(name)
+            if kept and have is not None:
+                continue
+            if backend.on_host(t):
+                now = _int64(to_host(t))
+                if have is None or not _same(have, now):
+                    values[name] = np.array(now, copy=True)
+                    changed = True
+            elif have is None:  # never told: read back once
+                values[name] = np.array(_int64(to_host(t)), copy=True)
+                changed = True
+        if changed:
+            known.index = type(index).rebuild(index.structure, [values[n] for n in names],
+                                              backend=backends.get("numpy"))
+        return known.index
+
+
+def refilled(index: Any, values: Sequence[Any]) -> Any:
+    """Declares that ``index``'s tensors hold ``values`` now (NumPy, one for each of
+    :func:`~cacheidx.pytree.leaves`, in its order): the writer's word, where it wrote them in
+    place (a CUDA graph's buffers refilled, the engine's copies) or made them from these
+    values. The plan follows (its parts are made anew where the values differ from those they
+    were made from), and nothing is read back from the device. The index keeps ``values``: the
+    caller writes no more into them. Returns the index.
+
+    Raises if ``values`` does not hold one array of each tensor's shape."""
+    names = pytree.leaf_names(index.structure)
+    values = list(values)
+    if len(values) != len(names):
+        raise arguments.fail("plan.refilled", f"the index has {len(names)} tensors "
+                             f"({', '.join(names)}), got {len(values)} values")
+    declare("plan.refilled", index, names, values)
+    with _HOST:
+        index.known.index = None
+    return index
+
+
+def declare(fn: str, index: Any, names: Sequence[str], values: Sequence[Any], *,
+            wrong: str = "{name} has shape {tensor}, its values {values}") -> None:
+    """The writer's word that ``index``'s tensors named ``names`` (leaf names) hold ``values``
+    (NumPy, in that order): kept as their host values (:func:`refilled`'s, and ``advance``'s
+    ``host=``). Raises naming ``fn`` if a value's shape is not its tensor's (``wrong`` says it:
+    a format of ``name``, ``short``, the name past ``tokens.``, and the two shapes)."""
+    tensors = dict(zip(pytree.leaf_names(index.structure), pytree.leaves(index), strict=True))
+    given = {}
+    for name, v in zip(names, values, strict=True):
+        t, v = tensors[name], _int64(np.asarray(v))
+        if tuple(v.shape) != tuple(t.shape):
+            raise arguments.fail(fn, wrong.format(
+                name=name, short=name.removeprefix("tokens."), tensor=list(t.shape),
+                values=list(v.shape)))
+        if index.backend.on_host(t) and np.may_share_memory(v, to_host(t)):
+            v = np.array(v, copy=True)  # compared with the tensor: not its memory
+        given[name] = v
+    with _HOST:
+        index.known.values.update(given)
+
+
+@contextlib.contextmanager
+def taken() -> Iterator[None]:
+    """Within it (in this thread), :func:`host` takes the values it knows without comparing a
+    tensor: ``advance()`` works out the next index's host values and plan so, and the next
+    index's first call compares its tensors in host memory with them."""
+    _TAKEN.on = True
+    try:
+        yield
+    finally:
+        _TAKEN.on = False
+
+
+#: one lock for every index's host values (each section under it a few comparisons)
+_HOST = threading.Lock()
+#: set (in this thread) inside :func:`taken`
+_TAKEN = threading.local()
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b))

@@ -185,8 +185,8 @@ def _refill(lib):
 
 def test_a_device_table_refilled_in_place_is_declared_by_its_writer(monkeypatch):
     """On a device the index never reads its table back: refilled in place, the writer says
-    so (``refilled``) and the call equals a fresh index's over the new table; the index's
-    values are read once, the first time (``make`` was handed device arrays)."""
+    so (``cacheidx.plan.refilled``) and the call equals a fresh index's over the new table;
+    the index's values are read once, the first time (``make`` was handed device arrays)."""
     from cacheidx.backends import torch as torch_backend
 
     monkeypatch.setattr(torch_backend, "_on_host", lambda *tensors: False)
@@ -200,7 +200,7 @@ def test_a_device_table_refilled_in_place_is_declared_by_its_writer(monkeypatch)
     with counting(monkeypatch, "torch") as reads:
         reads.on = True
         untold = ix.attend(*call)  # the writer said nothing: the values the host knows
-        ix.refilled(values)
+        ci.plan.refilled(ix, values)
         got = ix.attend(*call)
         reads.on = False
     assert not reads.forbidden, reads.forbidden
@@ -211,16 +211,16 @@ def test_a_device_table_refilled_in_place_is_declared_by_its_writer(monkeypatch)
 
 
 def test_refilled_and_advance_refuse_values_of_another_shape():
-    """``refilled`` takes one array per tensor, each of its shape; ``advance``'s ``host`` one
-    per table given, of its shape, and only with ``table``: each else raises naming the
-    method."""
+    """``cacheidx.plan.refilled`` takes one array per tensor, each of its shape;
+    ``advance``'s ``host`` one per table given, of its shape, and only with ``table``: each
+    else raises naming the function."""
     import cacheidx as ci
 
     ix = ci.rows(8, [3, 5])
-    with pytest.raises(ValueError, match="cacheidx.refilled: the index has 2 tensors"):
-        ix.refilled([np.zeros((2, 5))])
-    with pytest.raises(ValueError, match="cacheidx.refilled: tokens.table has shape"):
-        ix.refilled([np.zeros((2, 5)), np.zeros((2, 7))])
+    with pytest.raises(ValueError, match="cacheidx.plan.refilled: the index has 2 tensors"):
+        ci.plan.refilled(ix, [np.zeros((2, 5))])
+    with pytest.raises(ValueError, match="cacheidx.plan.refilled: tokens.table has shape"):
+        ci.plan.refilled(ix, [np.zeros((2, 5)), np.zeros((2, 7))])
     with pytest.raises(ValueError, match="cacheidx.advance: host gives"):
         ix.advance(host=[np.zeros((2, 8))])
     table = np.arange(16).reshape(2, 8)

@@ -92,10 +92,11 @@ def test_no_module_calls_the_index_s_private_members():
 PINNED = {"batch", "seq", "context", "structure", "positions", "extend", "mask", "visible",
           "to_device", "attend", "window", "select", "draft", "every", "advance"}
 #: the rest, each for a reason: its library and device (``xp``, ``device``), the padding law
-#: every layer reads (``valid``), the public way to rebuild it from its tensors (``rebuild``,
-#: ``map``; its tensors are cacheidx.pytree's ``leaves``) and the host's values of its tensors (``host``, ``refilled``: issue
-#: 36's host-first plans; the plan made of them is cacheidx.plan's ``follow`` and ``planned``)
-KEPT = {"xp", "device", "valid", "rebuild", "map", "host", "refilled"}
+#: every layer reads (``valid``) and the public way to rebuild it from its tensors
+#: (``rebuild``, ``map``). Its tensors are cacheidx.pytree's ``leaves``; the host's values of
+#: them (its ``known`` field) cacheidx.plan's ``host``, ``refilled`` (issue 36's host-first
+#: plans), and the plan made of them cacheidx.plan's ``follow`` and ``planned``
+KEPT = {"xp", "device", "valid", "rebuild", "map"}
 
 
 def test_the_index_keeps_its_fields_and_the_members_it_names():

@@ -81,7 +81,7 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     down (:func:`rounded`): a prefix that differs by a few pages is the same program."""
     from . import SCORES
 
-    on_host = index.host()  # the host's values: nothing read back (cacheidx.plan's law)
+    on_host = plans.host(index)  # the host's values: nothing read back (cacheidx.plan's law)
     table = masks.lane_table(on_host)
     width = int(table.shape[1])
     if index.seq > runplan.ROWS or index.batch * index.seq * width > runplan.WHOLE:
@@ -130,7 +130,7 @@ def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
         return None
     if not share:
         return share
-    on_host = nxt.host()
+    on_host = plans.host(nxt)
     pos, valid = on_host.pos[:, 0], on_host.valid[:, 0]
     if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
         return share

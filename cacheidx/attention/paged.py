@@ -99,8 +99,8 @@ def plan(index: Any, n: int, heads: int, share: bool) -> Plan | None:
     """The kernel's :class:`Plan` of ``index`` (one token a lane) over pools of ``n`` slots,
     or ``None`` where some lane's seen columns are not one range of slots inside the pool,
     or (``share``) some lanes share a prefix the core reads once. Made on the host from its
-    copy of the index (:meth:`~cacheidx.CacheIndex.host`), once for every layer."""
-    on_host = index.host()
+    copy of the index (:func:`cacheidx.plan.host`), once for every layer."""
+    on_host = plans.host(index)
     table = np.ascontiguousarray(masks.lane_table(on_host), dtype=np.int64)
     some = np.asarray(masks.seen_by_some(on_host), dtype=bool)
     count = some.sum(axis=1)
@@ -129,7 +129,7 @@ def carry(index: Any, nxt: Any, key: tuple, part: Any) -> Plan | None:
         return None
     if not part:
         return part
-    on_host, old = nxt.host(), index.host()
+    on_host, old = plans.host(nxt), plans.host(index)
     if on_host.table is old.table and on_host.row is old.row:  # the host's same values
         table = part.table  # a step over the same table: no pass over it (issue 36.2)
     else:

@@ -5,7 +5,7 @@ alone (FlashInfer's ``plan``; :mod:`cacheidx.attention.runs` is its ``run``).
 pages were taken in order. Where every column some token of a lane sees names a slot inside
 the pool, and those slots fall into few runs of consecutive slots (no hole, nothing dropped),
 a lane's keys are ``kpool[s0:s0 + n]`` for each run. This module finds those runs, once per
-index, from the index's host values (:meth:`~cacheidx.CacheIndex.host`): the laws' own helpers
+index, from the index's host values (:func:`cacheidx.plan.host`): the laws' own helpers
 over NumPy arrays, nothing read from a device and nothing placed on one. Law: a plan is a
 function of the index's structure, its host values and the call's shape (pool slots, scores,
 heads, tile); the same inputs give an equal plan.
@@ -143,8 +143,9 @@ def plan(index: Any, n: int, scores: int, heads: int, tile: int | None, share: b
          ) -> Runs | None:
     """Each lane's blocks and pieces over pools of ``n`` slots, and (with ``share``) the groups
     of lanes sharing a prefix, or ``None`` where some lane's seen columns are not a few runs of
-    slots inside the pool. Worked out on the index's host values."""
-    on_host = index.host()
+    slots inside the pool. Worked out on the index's host values: ``index`` is the host's
+    (:func:`cacheidx.plan.host`), which the caller asks for (this module places nothing)."""
+    on_host = index
     table, some = masks.lane_table(on_host), masks.seen_by_some(on_host)
     width = int(table.shape[1])
     # a short call's whole mask at once; a long one's per piece, so that the host never holds
@@ -287,7 +288,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Runs) -> Runs | None:
         return None
     lanes, groups = runs.lanes, runs.groups
     own = {b: g.width for g in groups for b in g.lanes}
-    on_host = nxt.host()
+    on_host = nxt  # the host's (the caller's cacheidx.plan.host)
     table, pos = masks.lane_table(on_host), on_host.pos[:, 0]
     valid = on_host.valid[:, 0]
     width, size = int(table.shape[1]), tile or max(16, scores // heads)

@@ -118,7 +118,7 @@ def carry(index: Any, nxt: Any, key: tuple, placed: Placed | tuple) -> Placed | 
     there were no runs (``()``, the part kept where the runs decline a call)."""
     if not isinstance(placed, Placed):
         return None
-    runs = runplan.carry(index, nxt, key, placed.runs)
+    runs = runplan.carry(index, plans.host(nxt), key, placed.runs)
     return None if runs is None else place(nxt, runs, key[0], placed.gathered)
 
 
@@ -143,7 +143,7 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None,
                          "compiled step): the groups are found from an eager index's values")
     if not reads(index):
         return []
-    found = runplan.plan(index, n, scores or SCORES, heads, tile, True)
+    found = runplan.plan(plans.host(index), n, scores or SCORES, heads, tile, True)
     return [] if not found else [(g.lanes, g.width) for g in found.groups]
 
 
@@ -162,7 +162,7 @@ def read(call: Any, scores: int) -> Any | None:
     share = shares()
     key = (n, scores, heads, call.tile, share)
     placed = plans.planned(index, "runs", key, lambda: place(
-        index, runplan.plan(index, n, scores, heads, call.tile, share), n) or ())
+        index, runplan.plan(plans.host(index), n, scores, heads, call.tile, share), n) or ())
     if not placed:
         return None
     lanes, groups, own = placed.runs

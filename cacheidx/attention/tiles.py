@@ -81,9 +81,9 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
            seen: Any = None) -> list[_Plan]:
     """Each pool's plan of one tile, kept by the index under ``key`` and the pool's size;
     ``make()`` gives the tile's ``(slots, ok, mask)``, and is called only to make one;
-    ``seen(host)`` the tile's mask on the host index ``host`` (:meth:`CacheIndex.host
-    <cacheidx.CacheIndex.host>`), which says whether some token sees a column and whether
-    every token sees every one, read there rather than from the device."""
+    ``seen(host)`` the tile's mask on the host index ``host`` (:func:`cacheidx.plan.host`),
+    which says whether some token sees a column and whether every token sees every one, read
+    there rather than from the device."""
     xp, backend = index.xp, index.backend
 
     def plan(n: int) -> _Plan:
@@ -92,7 +92,7 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
         read = backend.read_plan(xp.reshape(slots, (-1,)), xp.reshape(gate, (-1,)), n)
         if backend.tracing(index.pos):
             return _Plan(tuple(slots.shape), read, True, False)
-        mask = seen(index.host())
+        mask = seen(plans.host(index))
         return _Plan(tuple(slots.shape), read, bool(mask.any()), bool(mask.all()))
 
     return [plans.planned(index, "tile", (*key, int(p.shape[0])), lambda p=p: plan(int(p.shape[0])))

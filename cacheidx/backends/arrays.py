@@ -137,7 +137,7 @@ class StandardArrays:
     def on_host(self, x: Any) -> bool:
         """Whether ``x`` is concrete (not :meth:`tracing`) and lies in host memory that the host
         reads with no copy and no wait for a device: there an index compares its tensors with the
-        host values its plan was made from (:meth:`cacheidx.CacheIndex.host`), and a tile's product
+        host values its plan was made from (:func:`cacheidx.plan.host`), and a tile's product
         is asked whether it is finite. Elsewhere (a device: ``False``, the default) nothing is read
         back (:mod:`cacheidx.plan`'s law)."""
         return False

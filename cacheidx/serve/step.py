@@ -230,8 +230,8 @@ class Step:
                             for g, t in enumerate(now))
             if not self.compiled:  # the values they were made from (compiled: traced)
                 for g, (ix, h) in enumerate(zip(indices, hosts, strict=True)):
-                    ix.refilled([rows, pos, h, *(self._tables[-1][3] for _ in every
-                                                 if g == 0)])
+                    ci.plan.refilled(ix, [rows, pos, h, *(self._tables[-1][3] for _ in every
+                                                          if g == 0)])
         index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
             for ix in indices:
