@@ -121,30 +121,10 @@ class CacheIndex:
             draft=self.draft_slots is not None,
         )
 
-    @classmethod
-    def rebuild(cls, structure: Structure, tensors: Any, *, backend: Any = None,
-                plan: Plan | None = None) -> CacheIndex:
-        """The index of ``structure`` over ``tensors`` (in :func:`~cacheidx.pytree.leaves`' order):
-        ``CacheIndex.rebuild(ix.structure, pytree.leaves(ix))`` is ``ix`` again. ``backend``: the
-        tensors' library's adapter, found from them when ``None``. ``plan``: a :class:`Plan`
-        the index keeps (shared with the index it came from; it follows the values, so a plan
-        of other values is only ever remade, never misread)."""
-        index = cls(**pytree.fields(structure, tensors), backend=backend)
-        if plan is not None:
-            object.__setattr__(index, "plan", plan)
-            values, names = plan.values, pytree.leaf_names(structure)
-            if values is not None and len(values) == len(names):
-                # candidates only where they are compared (cacheidx.plan.host): a plan handed
-                # out for other values is then made anew, never misread
-                on_host = index.backend.on_host
-                index.known.values.update((name, v) for name, v, t in zip(
-                    names, values, pytree.leaves(index), strict=True) if on_host(t))
-        return index
-
     def map(self, fn: Any) -> CacheIndex:
         """The index whose every tensor is ``fn`` of this one's (placed elsewhere, copied to
         another library: the backend is the results' library's)."""
-        return CacheIndex.rebuild(self.structure, [fn(t) for t in pytree.leaves(self)])
+        return pytree.rebuild(self.structure, [fn(t) for t in pytree.leaves(self)])
 
     def __getstate__(self) -> dict:
         # the plan and the host values belong to this process's arrays: never pickled
@@ -333,7 +313,7 @@ class CacheIndex:
         """The index with every tensor placed whole on ``device`` (a JAX ``Sharding``
         included: each tensor is replicated, never cut)."""
         move = self.backend.to_device
-        moved = CacheIndex.rebuild(self.structure, [move(x, device) for x in pytree.leaves(self)],
+        moved = pytree.rebuild(self.structure, [move(x, device) for x in pytree.leaves(self)],
                                    backend=self.backend)
         moved.known.values.update(self.known.values)  # the same values, elsewhere
         return moved

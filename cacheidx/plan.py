@@ -278,8 +278,8 @@ def host(index: Any) -> Any:
                 values[name] = np.array(_int64(to_host(t)), copy=True)
                 changed = True
         if changed:
-            known.index = type(index).rebuild(index.structure, [values[n] for n in names],
-                                              backend=backends.get("numpy"))
+            known.index = pytree.rebuild(index.structure, [values[n] for n in names],
+                                         backend=backends.get("numpy"))
         return known.index
 
 

@@ -1,9 +1,8 @@
 """The index as a pytree: its tensors are the leaves, in the spec's walk order, and its
 :class:`~cacheidx.index.Structure` (with its backend) is the static part, so ``jax.jit`` and
 ``torch.compile`` take an index as an ordinary argument and compile once for every value of
-its positions and tables. :meth:`CacheIndex.tensors <cacheidx.index.CacheIndex.tensors>` and
-:meth:`CacheIndex.rebuild <cacheidx.index.CacheIndex.rebuild>` are :func:`leaves` and
-:func:`fields`; :func:`node` is what each library's registry is given."""
+its positions and tables. :func:`leaves` takes an index apart and :func:`rebuild` puts it
+together (over :func:`fields`); :func:`node` is what each library's registry is given."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 
 from . import backends
 
-__all__ = ["fields", "leaf_names", "leaves", "node"]
+__all__ = ["fields", "leaf_names", "leaves", "node", "rebuild"]
 
 
 def leaves(index: Any) -> list[Any]:
@@ -42,6 +41,28 @@ def fields(structure: Any, tensors: Any) -> dict[str, Any]:
     return dict(kind=structure.kind, pos=pos, table=table, row=row, blocks=blocks,
                 block=structure.every, window_size=structure.window, columns=columns,
                 draft_slots=slots, draft_sees=sees)
+
+
+def rebuild(structure: Any, tensors: Any, *, backend: Any = None, plan: Any = None) -> Any:
+    """The index of ``structure`` over ``tensors`` (in :func:`leaves`' order):
+    ``rebuild(ix.structure, leaves(ix))`` is ``ix`` again. ``backend``: the tensors' library's
+    adapter, found from them when ``None``. ``plan``: a :class:`~cacheidx.plan.Plan` the index
+    keeps (shared with the index it came from; it follows the values, so a plan of other
+    values is only ever remade, never misread)."""
+    # imported here: cacheidx.index imports this module at its top
+    from .index import CacheIndex
+
+    index = CacheIndex(**fields(structure, tensors), backend=backend)
+    if plan is not None:
+        object.__setattr__(index, "plan", plan)
+        values, names = plan.values, leaf_names(structure)
+        if values is not None and len(values) == len(names):
+            # candidates only where they are compared (cacheidx.plan.host): a plan handed out
+            # for other values is then made anew, never misread
+            on_host = index.backend.on_host
+            index.known.values.update((name, v) for name, v, t in zip(
+                names, values, leaves(index), strict=True) if on_host(t))
+    return index
 
 
 def leaf_names(structure: Any) -> list[str]:

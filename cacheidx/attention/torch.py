@@ -178,9 +178,7 @@ _RECENT = Recent()
 def _index(structure: Any, leaves: list[Tensor]) -> Any:
     """The index of ``structure`` over ``leaves``, with the recent plan that fits their
     values (a new one where none does)."""
-    from ..index import CacheIndex
-
-    return CacheIndex.rebuild(structure, leaves, plan=_RECENT.plan(structure, leaves))
+    return pytree.rebuild(structure, leaves, plan=_RECENT.plan(structure, leaves))
 
 
 @_attend.register_fake

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import build, pytree
-from ..index import CacheIndex
 from .suite import Case, agree, law
 
 nan = np.nan
@@ -451,7 +450,7 @@ def law_structure_names_what_compiles(case: Case) -> None:
     c = index(case, [[1]], [[0, 1]], row=[0])
     assert c.structure != index(case, [[1]], [[0, 1]]).structure
     leaves = pytree.leaves(a)
-    back = CacheIndex.rebuild(a.structure, leaves)
+    back = pytree.rebuild(a.structure, leaves)
     assert back.structure == a.structure
     assert all(x is y for x, y in zip(pytree.leaves(back), leaves))
 
