@@ -121,11 +121,6 @@ class CacheIndex:
             draft=self.draft_slots is not None,
         )
 
-    def map(self, fn: Any) -> CacheIndex:
-        """The index whose every tensor is ``fn`` of this one's (placed elsewhere, copied to
-        another library: the backend is the results' library's)."""
-        return pytree.rebuild(self.structure, [fn(t) for t in pytree.leaves(self)])
-
     def __getstate__(self) -> dict:
         # the plan and the host values belong to this process's arrays: never pickled
         return {k: v for k, v in self.__dict__.items() if k not in ("plan", "known")}

@@ -2,7 +2,8 @@
 :class:`~cacheidx.index.Structure` (with its backend) is the static part, so ``jax.jit`` and
 ``torch.compile`` take an index as an ordinary argument and compile once for every value of
 its positions and tables. :func:`leaves` takes an index apart and :func:`rebuild` puts it
-together (over :func:`fields`); :func:`node` is what each library's registry is given."""
+together (over :func:`fields`), and :func:`map` over tensors made of its own; :func:`node` is
+what each library's registry is given."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from . import backends
 
-__all__ = ["fields", "leaf_names", "leaves", "node", "rebuild"]
+__all__ = ["fields", "leaf_names", "leaves", "map", "node", "rebuild"]
 
 
 def leaves(index: Any) -> list[Any]:
@@ -63,6 +64,12 @@ def rebuild(structure: Any, tensors: Any, *, backend: Any = None, plan: Any = No
             index.known.values.update((name, v) for name, v, t in zip(
                 names, values, leaves(index), strict=True) if on_host(t))
     return index
+
+
+def map(index: Any, fn: Any) -> Any:
+    """The index whose every tensor is ``fn`` of ``index``'s (placed elsewhere, copied to
+    another library: the backend is the results' library's)."""
+    return rebuild(index.structure, [fn(t) for t in leaves(index)])
 
 
 def leaf_names(structure: Any) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import pytree
 from ..attention import reference
 from .laws import index, same, variants
 from .suite import Case, law
@@ -54,7 +55,7 @@ def attend_capped(ix, q, k, v, kpool, vpool, sinks):
 def spec_path(case: Case, ix, q, k, v, kpool, vpool, **options):
     """The law's right-hand side on NumPy: ``extend`` on both pools, then the materialised
     softmax under ``mask``."""
-    host = ix.map(case.numpy)
+    host = pytree.map(ix, case.numpy)
     arrays = [case.numpy(a) for a in (q, k, v, kpool, vpool)]
     sinks = options.pop("sinks", None)
     if sinks is not None:
@@ -227,7 +228,7 @@ def unseen_infinities(case: Case, ix, what: str, arrays, step=attend, extra=(), 
     outs = [("eager", got[0])]
     if case.compiled:
         outs.append(("compiled", case.jit(step)(ix, q, k, v, kpool, vpool, *extra)[0]))
-    host = ix.map(case.numpy)
+    host = pytree.map(ix, case.numpy)
     seen_v, _ = host.extend(arrays[2], arrays[4])
     want = spec_path(case, ix, q, k, v, kpool, vpool, **options)[0]
     padded = case.numpy(ix.positions()) < 0 if ix.kind == "tabled" else None
@@ -323,6 +324,6 @@ def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Ca
         ix = index(case, pos, table, row=row)
         if window is not None:
             ix = ix.window(window)
-        found = runs.sharing(ix.map(case.numpy), slots, HEADS, tile=TILE)
+        found = runs.sharing(pytree.map(ix, case.numpy), slots, HEADS, tile=TILE)
         assert found == groups, f"{what}: the plan shares {found}, want {groups}"
         check(case, ix, inputs(case, ix, slots, 60 + seed), what, head=seed % 2 == 0)

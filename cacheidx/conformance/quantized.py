@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import pytree
 from .. import quantized as library  # the code the laws hold of
 from ..attention import reference
 from ..quantized import Quantized
@@ -154,7 +155,7 @@ def spec_path(case: Case, ix, values: np.ndarray, pool: tuple, bits: int):
     reference's round trip of ``values`` over a float pool holding ``pool`` dequantized; the
     codes and scales are the reference's, stored by ``extend`` as it stores any rows (the index
     laws hold that store on every backend)."""
-    host = ix.map(case.numpy)
+    host = pytree.map(ix, case.numpy)
     values = case.numpy(values)
     codes, scales = quantize(values, bits)
     seen, _ = host.extend(dequantize(codes, scales), dequantize(*pool))
@@ -322,7 +323,7 @@ COMPILED = "window"
 def unseen(case: Case, ix, slots: int) -> list[int]:
     """The slots whose rows no token of ``ix`` sees (nor stores at): extend over a pool of
     slot numbers, the call's own values -1, reads every slot some token sees."""
-    host = ix.map(case.numpy)
+    host = pytree.map(ix, case.numpy)
     ids = np.arange(1, slots + 1, dtype=np.float32)[:, None]
     seen, _ = host.extend(np.full((ix.batch, ix.seq, 1), -1, np.float32), ids)
     return sorted(set(range(slots)) - {int(i) - 1 for i in seen.ravel() if i > 0})
@@ -357,7 +358,7 @@ def law_attend_over_quantized_pools_is_attention_over_the_round_trip(case: Case)
         outs = [("eager", attend_quantized(ix, q, k, v, kpool, vpool))]
         seen_k, kcodes, kscales = spec_path(case, ix, k, host_k, kbits)
         seen_v, vcodes, vscales = spec_path(case, ix, v, host_v, vbits)
-        want = reference(case.numpy(q), seen_k, seen_v, ix.map(case.numpy).mask())
+        want = reference(case.numpy(q), seen_k, seen_v, pytree.map(ix, case.numpy).mask())
         columns = ix.context if ix.columns is None else int(ix.columns.shape[-1])
         if case.compiled:
             outs.append(("compiled", case.jit(attend_quantized)(ix, q, k, v, kpool, vpool)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import build, masks, state
+from .. import build, masks, pytree, state
 from .laws import index, same
 from .suite import Case, law
 
@@ -115,7 +115,7 @@ def run(case: Case, ix, x, before: state.Pools):
     the snapshots stored are those ``every(M).extend`` stores of every state, on NumPy over the
     same index (the index laws hold extend equal on every backend)."""
     first, states, after = case.call(recur, ix, case.array(x), before)
-    host = ix.map(case.numpy)
+    host = pytree.map(ix, case.numpy)
     _, want = host.every(M).extend(case.numpy(states), case.numpy(before.snapshots))
     same(case, after.snapshots, want, "snapshots against every(m).extend")
     return case.numpy(first), case.numpy(states), after
