@@ -26,7 +26,6 @@ import numpy as np
 from . import _arguments as arguments
 from . import backends, masks, pools, pytree, storage, validation
 from . import plan as plans
-from .laws import inside
 from .plan import Plan
 
 __all__ = ["CacheIndex", "Structure"]
@@ -322,15 +321,6 @@ class CacheIndex:
     def _positions(self) -> Any:
         last = self.seq if self.table is None else int(self.table.shape[1])
         return masks.clamp(self.xp, self.pos, 0, last - 1)
-
-    @property
-    def valid(self) -> Any:
-        """Law: a token is padding when its position is negative or its lane's row addresses
-        no sequence of the table; padding stores nothing and sees nothing."""
-        ok = self.pos >= 0
-        if self.row is not None:
-            ok = ok & inside(self.row, int(self.table.shape[0]))[:, None]
-        return ok
 
     # -- what each token sees: mask -----------------------------------------------------------
     def mask(self) -> Any:

@@ -1,13 +1,13 @@
 """What each token of an index sees: the mask's laws over an index's tensors.
 
 A token sees the columns standing at or before its position (:func:`cacheidx.laws.sees`), under
-a window only the last ``w`` of them; a padded token (:attr:`CacheIndex.valid
-<cacheidx.index.CacheIndex.valid>`) sees none. Whole and packed indices see their own lane's
-tokens of the same sequence; a draft's tokens see the table's columns before the lane's least
-position and the call's tokens its ``sees`` names. :meth:`CacheIndex.mask
-<cacheidx.index.CacheIndex.mask>` and ``visible`` are :func:`mask`; attention's tiles and runs
-build their pieces of it from :func:`sees_columns`, :func:`draft_sees_table` and
-:func:`draft_tail`, so a tile's mask is the index's mask there by construction.
+a window only the last ``w`` of them; a padded token (not :func:`valid`) sees none. Whole and
+packed indices see their own lane's tokens of the same sequence; a draft's tokens see the
+table's columns before the lane's least position and the call's tokens its ``sees`` names.
+:meth:`CacheIndex.mask <cacheidx.index.CacheIndex.mask>` and ``visible`` are :func:`mask`;
+attention's tiles and runs build their pieces of it from :func:`sees_columns`,
+:func:`draft_sees_table` and :func:`draft_tail`, so a tile's mask is the index's mask there by
+construction.
 
 The columns are those of :func:`columns_table` (the positions' table, or the blocks' under
 ``every``), each lane reading its row of it (:func:`lane_table`); :func:`seen_by_some` says
@@ -25,7 +25,7 @@ from .laws import inside, sees, stands
 
 __all__ = ["arange", "clamp", "columns_table", "draft_sees_table", "draft_tail", "lane_lookup",
            "lane_table", "largest", "last", "least", "mask", "sees_columns", "seen_by_some",
-           "valid_positions", "window"]
+           "valid", "valid_positions", "window"]
 
 
 def arange(index: Any, n: int) -> Any:
@@ -45,9 +45,18 @@ def lane_lookup(index: Any, table: Any, cols: Any, ok: Any) -> Any:
     return xp.where(ok, xp.reshape(got, cols.shape), -1)
 
 
+def valid(index: Any) -> Any:
+    """[batch, seq] bool. Law: a token is padding when its position is negative or its lane's
+    row addresses no sequence of the table; padding stores nothing and sees nothing."""
+    ok = index.pos >= 0
+    if index.row is not None:
+        ok = ok & inside(index.row, int(index.table.shape[0]))[:, None]
+    return ok
+
+
 def valid_positions(index: Any) -> Any:
     """Positions with padding at -1, for reductions over a lane."""
-    return index.xp.where(index.valid, index.pos, -1)
+    return index.xp.where(valid(index), index.pos, -1)
 
 
 def last(index: Any) -> Any:
@@ -71,7 +80,7 @@ def least(index: Any) -> Any:
     """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets the
     dtype's largest value, which no column stands before."""
     xp = index.xp
-    return xp.min(xp.where(index.valid, index.pos, largest(index)), axis=1, keepdims=True)
+    return xp.min(xp.where(valid(index), index.pos, largest(index)), axis=1, keepdims=True)
 
 
 def mask(index: Any) -> Any:
@@ -92,7 +101,7 @@ def sees_columns(index: Any, cols: Any) -> Any:
     xp = index.xp
     t = index.pos[:, :, None]
     w = window(index)
-    ok = index.valid[:, :, None] & inside(cols, index.context)
+    ok = valid(index)[:, :, None] & inside(cols, index.context)
     if index.kind == "tabled" or index.block != 1:
         ok = ok & sees(stands(cols, index.block), t, w)
         if index.kind != "tabled":  # a whole lane closes the blocks up to its last token
@@ -110,16 +119,16 @@ def draft_sees_table(index: Any, j: Any) -> Any:
     """[batch, seq, k]: under a draft, whether a token sees the table's column ``j``
     (broadcasting against ``[batch, seq, k]``): one before its lane's least position, at or
     before its own and within the window."""
-    valid, t = index.valid, index.pos
-    return (valid[:, :, None] & (j < least(index)[:, :, None])
+    ok, t = valid(index), index.pos
+    return (ok[:, :, None] & (j < least(index)[:, :, None])
             & sees(j, t[:, :, None], window(index)))
 
 
 def draft_tail(index: Any) -> Any:
     """[batch, seq, seq]: token ``i`` sees the call's token ``j`` where the draft says so, at
     or before its position and within the window."""
-    valid, t = index.valid, index.pos
-    return (valid[:, :, None] & valid[:, None, :] & index.draft_sees
+    ok, t = valid(index), index.pos
+    return (ok[:, :, None] & ok[:, None, :] & index.draft_sees
             & sees(t[:, None, :], t[:, :, None], window(index)))
 
 
@@ -147,7 +156,7 @@ def seen_by_some(index: Any) -> Any:
     j = arange(index, width)[None, :]
     if index.draft_slots is not None:  # columns before the least position, within reach
         lo = least(index)
-        ok = (j < lo) & xp.any(index.valid, axis=1, keepdims=True)
+        ok = (j < lo) & xp.any(valid(index), axis=1, keepdims=True)
         return ok if w is None else ok & (lo - j < w)
     stand = stands(j, index.block)
     if w is None:
@@ -164,10 +173,10 @@ def _some_token_within(index: Any, stand: Any, w: int) -> Any:
     xp = index.xp
     top = stands(stand.shape[1] - 1, index.block)
     big = largest(index)
-    valid, t = index.valid, index.pos
-    past = xp.min(xp.where(valid & (t > top), t, big), axis=1, keepdims=True)
+    ok, t = valid(index), index.pos
+    past = xp.min(xp.where(ok & (t > top), t, big), axis=1, keepdims=True)
     near = (past < big) & (past - stand < w)
-    t = xp.where(valid & (t <= top), t, top + 1)
+    t = xp.where(ok & (t <= top), t, top + 1)
     lane = arange(index, index.batch)[:, None] * (top + 2)
     keys = xp.sort(xp.reshape(t + lane, (-1,)))
     wanted = stand + lane

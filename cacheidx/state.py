@@ -134,7 +134,7 @@ def _span(index: Any) -> tuple[Any, Any, Any]:
     """``(has, p0, p1)``, each ``[batch, 1]``: whether a lane has a valid token, its least
     position (the dtype's largest where none) and its greatest (-1 where none)."""
     xp = index.xp
-    valid = index.valid
+    valid = masks.valid(index)
     largest = int(xp.iinfo(index.pos.dtype).max)
     p0 = xp.min(xp.where(valid, index.pos, largest), axis=1, keepdims=True)
     return xp.any(valid, axis=1, keepdims=True), p0, xp.max(masks.valid_positions(index),
@@ -217,7 +217,7 @@ def _closing(index: Any, m: int) -> tuple[Any, Any, Any]:
     """Law 4: ``(token, closes, position)`` of each lane's closing tokens, ``[batch, k]``."""
     xp, seq = index.xp, index.seq
     has, p0, p1 = _span(index)
-    first = xp.min(xp.where(index.valid, masks.arange(index, seq)[None, :], seq), axis=1,
+    first = xp.min(xp.where(masks.valid(index), masks.arange(index, seq)[None, :], seq), axis=1,
                    keepdims=True)
     k = -(-seq // m)
     c = masks.arange(index, k)[None, :]

@@ -47,10 +47,10 @@ def store_slots(index: Any) -> Any:
     padding and a token past the last column store nothing (-1)."""
     xp = index.xp
     if index.draft_slots is not None:
-        return xp.where(index.valid, index.draft_slots, -1)
+        return xp.where(masks.valid(index), index.draft_slots, -1)
     m, table = index.block, masks.lane_table(index)
     col = block_of(index.pos, m)
-    ok = index.valid & (col < int(table.shape[1]))
+    ok = masks.valid(index) & (col < int(table.shape[1]))
     if m != 1:
         ok = ok & closes(index.pos, m)
     return lane_lookup(index, table, col, ok)
@@ -100,7 +100,7 @@ def seen_whole(index: Any, values: Any) -> Any:
     read from ``values``; a column no token of the lane sees is zero."""
     xp = index.xp
     if index.columns is None and index.block == 1:
-        return zero_where(index, values, index.valid)
+        return zero_where(index, values, masks.valid(index))
     if index.columns is not None:
         ok = masks.sees_columns(index, index.columns)
         cols = index.columns

@@ -70,7 +70,7 @@ class ToyHybrid:
         x = xp.reshape(x, (b, n, DIM))
         (state,) = pools[0]
         s = ci.state.start(ix, state)
-        valid = ix.valid
+        valid = ci.masks.valid(ix)
         outs, states = [], []
         for i in range(n):
             s = xp.where(valid[:, i, None], w["A"] * s + x[:, i, ...] @ w["W"], s)

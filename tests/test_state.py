@@ -206,7 +206,7 @@ def layer(ix, x, pools):
     """The toy layer: start, a token at a time (padding keeps the state), closing, store."""
     s = np.array(state.start(ix, pools))
     states = np.zeros((*ix.pos.shape, WIDTH), np.float32)
-    valid = np.asarray(ix.valid)
+    valid = np.asarray(ci.masks.valid(ix))
     for i in range(ix.seq):
         s = np.where(valid[:, i:i + 1], s * np.float32(0.5) + x[:, i], s)
         states[:, i] = s

@@ -209,7 +209,7 @@ def test_seen_is_differentiable_through_a_whole_index():
     values = torch.arange(8.0).reshape(2, 4, 1).requires_grad_()
     seen, _ = index.extend(values, torch.zeros(1, 1))
     seen.sum().backward()
-    same(values.grad, index.valid[..., None].to(values.dtype))
+    same(values.grad, ci.masks.valid(index)[..., None].to(values.dtype))
 
 
 # -- pytrees, torch.compile and torch.export ----------------------------------------------------

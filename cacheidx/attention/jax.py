@@ -131,7 +131,7 @@ def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
     if not share:
         return share
     on_host = plans.host(nxt)
-    pos, valid = on_host.pos[:, 0], on_host.valid[:, 0]
+    pos, valid = on_host.pos[:, 0], masks.valid(on_host)[:, 0]
     if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
         return share
     return None

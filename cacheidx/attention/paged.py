@@ -134,7 +134,7 @@ def carry(index: Any, nxt: Any, key: tuple, part: Any) -> Plan | None:
         table = part.table  # a step over the same table: no pass over it (issue 36.2)
     else:
         table = np.ascontiguousarray(masks.lane_table(on_host), dtype=np.int64)
-    pos, valid = np.asarray(on_host.pos)[:, 0], np.asarray(on_host.valid)[:, 0]
+    pos, valid = np.asarray(on_host.pos)[:, 0], np.asarray(masks.valid(on_host))[:, 0]
     start, stop = part.start, part.stop
     if np.any(stop[~valid] != start[~valid]) or not np.array_equal(pos[valid], stop[valid]):
         return None

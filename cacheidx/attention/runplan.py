@@ -290,7 +290,7 @@ def carry(index: Any, nxt: Any, key: tuple, runs: Runs) -> Runs | None:
     own = {b: g.width for g in groups for b in g.lanes}
     on_host = nxt  # the host's (the caller's cacheidx.plan.host)
     table, pos = masks.lane_table(on_host), on_host.pos[:, 0]
-    valid = on_host.valid[:, 0]
+    valid = masks.valid(on_host)[:, 0]
     width, size = int(table.shape[1]), tile or max(16, scores // heads)
     out = []
     for b, blocks in enumerate(lanes):

@@ -34,7 +34,7 @@ def recur(index, x, pools):
     :func:`state.store` (law 2)."""
     xp, be = index.xp, index.backend
     first = s = state.start(index, pools)
-    valid = index.valid
+    valid = masks.valid(index)
     states = []
     for i in range(index.seq):
         # padding keeps the state (its input may be NaN: where never reads the other branch)

@@ -21,9 +21,10 @@ Per token ``t`` of a lane, with ``h`` the layer's normed input:
 Laws of the layer (those of the states' pools are :mod:`cacheidx.state`'s):
 
 1. **Sequential.** Each lane's tokens are computed one after another in the call's order,
-   from the state :func:`cacheidx.state.start` gives; a padding token (``index.valid``
-   false) leaves both states as they were and outputs zero; a token at position 0 starts
-   from zero (so the sequences packed in one lane never see each other).
+   from the state :func:`cacheidx.state.start` gives; a padding token
+   (``cacheidx.masks.valid(index)`` false) leaves both states as they were and outputs zero;
+   a token at position 0 starts from zero (so the sequences packed in one lane never see
+   each other).
 2. **Stored.** The running slots get the states after each lane's last token, and each
    block the call closes the states after its closing token (:func:`cacheidx.state.store`),
    so a prompt fed in chunks, or resumed from a snapshot, computes what it computes whole.
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import state
+from .. import masks, state
 
 __all__ = ["Shape", "empty_pools", "mix", "random_params", "state_bytes", "state_shapes"]
 
@@ -200,7 +201,7 @@ def _mix(p, shape, h, index, pools, mm, donate):
     kc = int(tokens.shape[1])
     conv_closed = xp.zeros((b, kc, *conv_s.shape[1:]), dtype=conv_s.dtype, device=be.device(h))
     rec_closed = xp.zeros((b, kc, *rec_s.shape[1:]), dtype=rec_s.dtype, device=be.device(h))
-    valid, first = index.valid, index.pos == 0
+    valid, first = masks.valid(index), index.pos == 0
     group = c.value_heads // c.key_heads
     outs = []
     for i in range(s):

@@ -58,6 +58,7 @@ import threading
 import weakref
 from typing import Any
 
+from ... import masks
 from . import attention as attn  # the module (the package exports no function by that name)
 from . import states
 
@@ -399,7 +400,7 @@ def _close(a: Any, b: Any, dtype: Any) -> bool:
 def _resumes(index: Any) -> bool:
     """Whether a lane's first valid token is past position 0 (it starts from a state); read
     on the host."""
-    valid = index.valid
+    valid = masks.valid(index)
     first = index.pos.masked_fill(~valid, -1).clamp(min=-1)
     first = first.masked_fill(~valid, int(index.pos.max()) + 1).amin(dim=1)
     return bool((valid.any(dim=1) & (first > 0)).any())

@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ... import masks
+
 __all__ = ["ATTENTION", "FORWARD", "NOTHING", "CallCache", "Kind", "layout_of", "mixed"]
 
 #: a layer's entry in :func:`layout_of` that keeps keys and values, or nothing
@@ -234,7 +236,7 @@ def mixed(index: Any) -> bool:
     (law 3). Reads the index's values on the host: never call it traced."""
     indices = index if isinstance(index, list) else [index]
     for ix in {id(i): i for i in indices}.values():
-        valid = ix.valid
+        valid = masks.valid(ix)
         if bool((valid.any(dim=1) & ~valid.all(dim=1)).any()):
             return True
     return False
