@@ -108,4 +108,4 @@ def block_mask(index: CacheIndex, *, heads: int | None = None, **kwargs: Any) ->
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(mask_mod(index), index.batch, heads, index.seq, index.context,
-                             device=index.device, **kwargs)
+                             device=index.backend.device(index.pos), **kwargs)

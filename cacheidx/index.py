@@ -105,10 +105,6 @@ class CacheIndex:
         return width + self.seq if self.draft_slots is not None else width
 
     @property
-    def device(self) -> Any:
-        return self.backend.device(self.pos)
-
-    @property
     def structure(self) -> Structure:
         return Structure(
             kind=self.kind,

@@ -30,7 +30,7 @@ __all__ = ["arange", "clamp", "columns_table", "draft_sees_table", "draft_tail",
 
 def arange(index: Any, n: int) -> Any:
     """``0 .. n - 1`` in the index's dtype, on its device."""
-    return index.xp.arange(n, dtype=index.pos.dtype, device=index.device)
+    return index.xp.arange(n, dtype=index.pos.dtype, device=index.backend.device(index.pos))
 
 
 def lane_lookup(index: Any, table: Any, cols: Any, ok: Any) -> Any:

@@ -236,7 +236,8 @@ def closing(index: Any) -> tuple[Any, Any]:
     m = _checked("state.closing", index)
     xp = index.xp
     if m == 1:
-        none = xp.zeros((index.batch, 0), dtype=index.pos.dtype, device=index.device)
+        none = xp.zeros((index.batch, 0), dtype=index.pos.dtype,
+                        device=index.backend.device(index.pos))
         return none, none > 0
     return _one_call(index, _closed_by)
 

@@ -91,12 +91,13 @@ def test_no_module_calls_the_index_s_private_members():
 #: cacheidx.masks, cacheidx.storage and cacheidx.attention
 PINNED = {"batch", "seq", "context", "structure", "positions", "extend", "mask", "visible",
           "to_device", "attend", "window", "select", "draft", "every", "advance"}
-#: the rest, each for a reason: its library and device (``xp``, ``device``). The padding law
+#: the rest, each for a reason: its library (``xp``); its device is its backend's
+#: ``device(index.pos)``. The padding law
 #: every layer reads is cacheidx.masks' ``valid``; its tensors are cacheidx.pytree's
 #: ``leaves``, the index over them its ``rebuild``, over tensors made of them its ``map``; the
 #: host's values of them (its ``known`` field) are cacheidx.plan's ``host`` and ``refilled``
 #: (issue 36's host-first plans), the plan made of them cacheidx.plan's ``follow``/``planned``
-KEPT = {"xp", "device"}
+KEPT = {"xp"}
 
 
 def test_the_index_keeps_its_fields_and_the_members_it_names():

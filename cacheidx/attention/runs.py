@@ -95,7 +95,7 @@ def place(index: Any, runs: Runs | None, n: int, kept: dict[int, Any] | None = N
     if not runs:
         return None
     backend: Arrays = index.backend  # all a placement asks of the backend
-    put = functools.partial(backend.from_host, device=index.device)
+    put = functools.partial(backend.from_host, device=backend.device(index.pos))
     kept = kept or {}
     gathered = {}
     for blocks in runs.lanes:
