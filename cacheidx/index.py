@@ -85,10 +85,6 @@ class CacheIndex:
 
     # -- what the index is ------------------------------------------------------------------
     @property
-    def xp(self) -> Any:
-        return self.backend.xp
-
-    @property
     def batch(self) -> int:
         return int(self.pos.shape[0])
 
@@ -261,7 +257,7 @@ class CacheIndex:
                                  "table= too")
         if table is not None:
             validation.next_table(self, table, blocks)
-        xp = self.xp
+        xp = self.backend.xp
         last = xp.max(self.pos, axis=1, keepdims=True)
         nxt = self._derived(pos=xp.clip(last, -1, None) + 1, columns=None,
                             draft_slots=None, draft_sees=None,
@@ -316,7 +312,7 @@ class CacheIndex:
 
     def _positions(self) -> Any:
         last = self.seq if self.table is None else int(self.table.shape[1])
-        return masks.clamp(self.xp, self.pos, 0, last - 1)
+        return masks.clamp(self.backend.xp, self.pos, 0, last - 1)
 
     # -- what each token sees: mask -----------------------------------------------------------
     def mask(self) -> Any:
@@ -362,14 +358,14 @@ class CacheIndex:
 
     def _seen_whole_of(self, values: Any, pool: Any) -> Any:
         """A whole or packed index's seen (``pool`` gives only its kind: float or quantized)."""
-        return storage.seen_whole(self, pools.stands_for(pool, values, self.xp))
+        return storage.seen_whole(self, pools.stands_for(pool, values, self.backend.xp))
 
     def _extend(self, values: Any, pool: Any, donate: bool) -> tuple[Any, Any]:
         plans.follow(self)
         pool = storage.store(self, values, pool, donate)
         # the call's own values are read only under a draft (its tail of columns)
         return storage.read(self, pool, values if self.draft_slots is None
-                            else pools.stands_for(pool, values, self.xp)), pool
+                            else pools.stands_for(pool, values, self.backend.xp)), pool
 
     def attend(self, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, *,
                scale: float | None = None, softcap: float | None = None, sinks: Any = None,

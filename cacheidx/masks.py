@@ -30,14 +30,14 @@ __all__ = ["arange", "clamp", "columns_table", "draft_sees_table", "draft_tail",
 
 def arange(index: Any, n: int) -> Any:
     """``0 .. n - 1`` in the index's dtype, on its device."""
-    return index.xp.arange(n, dtype=index.pos.dtype, device=index.backend.device(index.pos))
+    return index.backend.xp.arange(n, dtype=index.pos.dtype, device=index.backend.device(index.pos))
 
 
 def lane_lookup(index: Any, table: Any, cols: Any, ok: Any) -> Any:
     """``table[b, cols[b, ...]]`` where ``ok``, -1 elsewhere (lane-wise gather, flat): a
     column's position (whole and packed indices) and a column's slot (:mod:`cacheidx.storage`)
     alike."""
-    xp = index.xp
+    xp = index.backend.xp
     width = int(table.shape[1])
     lane = xp.reshape(arange(index, index.batch), (index.batch,) + (1,) * (cols.ndim - 1))
     flat = lane * width + xp.where(ok, cols, 0)
@@ -56,12 +56,12 @@ def valid(index: Any) -> Any:
 
 def valid_positions(index: Any) -> Any:
     """Positions with padding at -1, for reductions over a lane."""
-    return index.xp.where(valid(index), index.pos, -1)
+    return index.backend.xp.where(valid(index), index.pos, -1)
 
 
 def last(index: Any) -> Any:
     """[batch, 1]: each lane's greatest valid position, -1 for a lane of padding."""
-    return index.xp.max(valid_positions(index), axis=1, keepdims=True)
+    return index.backend.xp.max(valid_positions(index), axis=1, keepdims=True)
 
 
 def window(index: Any) -> int | None:
@@ -73,13 +73,13 @@ def window(index: Any) -> int | None:
 def largest(index: Any) -> int:
     """The index dtype's largest value: the sentinel of a lane with no such token (a Python
     number, which every operation takes in the index's dtype)."""
-    return int(index.xp.iinfo(index.pos.dtype).max)
+    return int(index.backend.xp.iinfo(index.pos.dtype).max)
 
 
 def least(index: Any) -> Any:
     """[batch, 1]: each lane's least valid position; a lane of padding has none, and gets the
     dtype's largest value, which no column stands before."""
-    xp = index.xp
+    xp = index.backend.xp
     return xp.min(xp.where(valid(index), index.pos, largest(index)), axis=1, keepdims=True)
 
 
@@ -88,7 +88,7 @@ def mask(index: Any) -> Any:
     ``[batch, seq, k]`` under a selection (the module's law)."""
     if index.draft_slots is not None:
         j = arange(index, int(index.table.shape[1]))[None, None, :]
-        return index.xp.concat([draft_sees_table(index, j), draft_tail(index)], axis=2)
+        return index.backend.xp.concat([draft_sees_table(index, j), draft_tail(index)], axis=2)
     if index.columns is not None:
         return sees_columns(index, index.columns)
     return sees_columns(index, arange(index, index.context)[None, None, :])
@@ -98,7 +98,7 @@ def sees_columns(index: Any, cols: Any) -> Any:
     """[batch, seq, k]: whether token ``i`` of lane ``b`` sees column ``cols[b, i, k]``
     (``cols`` broadcasts against ``[batch, seq, k]``). A column outside the context is seen by
     no one."""
-    xp = index.xp
+    xp = index.backend.xp
     t = index.pos[:, :, None]
     w = window(index)
     ok = valid(index)[:, :, None] & inside(cols, index.context)
@@ -143,7 +143,7 @@ def lane_table(index: Any) -> Any:
     table = columns_table(index)
     if index.row is None:
         return table
-    xp = index.xp
+    xp = index.backend.xp
     safe = xp.where(inside(index.row, int(table.shape[0])), index.row, 0)
     return index.backend.take(table, safe)
 
@@ -151,7 +151,7 @@ def lane_table(index: Any) -> Any:
 def seen_by_some(index: Any) -> Any:
     """[batch, width]: whether some token of each lane sees each column of the table (the
     zeroing law). Costs O(batch * (seq + width)), never a [batch, seq, width] array."""
-    xp, w = index.xp, window(index)
+    xp, w = index.backend.xp, window(index)
     width = int(columns_table(index).shape[1])
     j = arange(index, width)[None, :]
     if index.draft_slots is not None:  # columns before the least position, within reach
@@ -170,7 +170,7 @@ def _some_token_within(index: Any, stand: Any, w: int) -> Any:
     Tokens at or before the last column's stand are found by one ``searchsorted`` over all
     lanes at once (each lane's positions offset into a range of its own, so no offset grows
     with the window); of the tokens past it only the lane's nearest can see a column."""
-    xp = index.xp
+    xp = index.backend.xp
     top = stands(stand.shape[1] - 1, index.block)
     big = largest(index)
     ok, t = valid(index), index.pos

@@ -133,7 +133,7 @@ def _pools(fn: str, index: Any, pools: Any) -> Pools:
 def _span(index: Any) -> tuple[Any, Any, Any]:
     """``(has, p0, p1)``, each ``[batch, 1]``: whether a lane has a valid token, its least
     position (the dtype's largest where none) and its greatest (-1 where none)."""
-    xp = index.xp
+    xp = index.backend.xp
     valid = masks.valid(index)
     largest = int(xp.iinfo(index.pos.dtype).max)
     p0 = xp.min(xp.where(valid, index.pos, largest), axis=1, keepdims=True)
@@ -169,7 +169,7 @@ def _blocks(index: Any, m: int) -> Any:
 
 def _starts(index: Any, m: int, n_run: int, n_snap: int) -> tuple[Any, Any, Any, Any]:
     """Law 1's slots: ``(running slot, read it, snapshot slot, read it)``, each ``[batch]``."""
-    xp = index.xp
+    xp = index.backend.xp
     has, p0, _ = _span(index)
     has, p0 = has[:, 0], p0[:, 0]
     later = has & (p0 > 0)
@@ -192,7 +192,7 @@ def start(index: Any, pools: Pools) -> Any:
     selection, or where the pools are no :class:`Pools` of one row of the index's library."""
     _checked("state.start", index)
     running, snaps = _pools("state.start", index, pools)
-    xp, be = index.xp, index.backend
+    xp, be = index.backend.xp, index.backend
     if index.kind != "tabled":
         return xp.zeros((index.batch, *running.shape[1:]), dtype=running.dtype,
                         device=be.device(running))
@@ -200,7 +200,7 @@ def start(index: Any, pools: Pools) -> Any:
 
 
 def _start(index: Any, pools: Pools) -> Any:
-    xp, be = index.xp, index.backend
+    xp, be = index.backend.xp, index.backend
     running, snaps = pools
     m = every(index)
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])
@@ -215,7 +215,7 @@ def _start(index: Any, pools: Pools) -> Any:
 
 def _closing(index: Any, m: int) -> tuple[Any, Any, Any]:
     """Law 4: ``(token, closes, position)`` of each lane's closing tokens, ``[batch, k]``."""
-    xp, seq = index.xp, index.seq
+    xp, seq = index.backend.xp, index.seq
     has, p0, p1 = _span(index)
     first = xp.min(xp.where(masks.valid(index), masks.arange(index, seq)[None, :], seq), axis=1,
                    keepdims=True)
@@ -234,7 +234,7 @@ def closing(index: Any) -> tuple[Any, Any]:
     layer gathers its states after these tokens for :func:`store`. With no snapshots (``m``
     of 1) the shape is ``[batch, 0]``."""
     m = _checked("state.closing", index)
-    xp = index.xp
+    xp = index.backend.xp
     if m == 1:
         none = xp.zeros((index.batch, 0), dtype=index.pos.dtype,
                         device=index.backend.device(index.pos))
@@ -252,7 +252,7 @@ def _targets(index: Any, m: int, n_run: int, k: int | None) -> tuple[Any, Any]:
     """Law 2's targets: the running slot of each lane ``[batch]`` (-1 for none) and the
     snapshot slots ``[batch, k]`` of the closing tokens' blocks (``k`` None: of the block the
     last token closes, ``[batch, 1]``)."""
-    xp = index.xp
+    xp = index.backend.xp
     has, _, p1 = _span(index)
     has = has[:, 0]
     run = xp.where(has & inside(_rows(index), n_run), _rows(index), -1)
@@ -307,7 +307,7 @@ def store(index: Any, last: Any, pools: Pools, closed: Any = None, *,
 
 
 def _store(index: Any, last: Any, pools: Pools, closed: Any, donate: bool) -> Pools:
-    xp, be = index.xp, index.backend
+    xp, be = index.backend.xp, index.backend
     running, snaps = pools
     m, row = every(index), tuple(running.shape[1:])
     n_run, n_snap = int(running.shape[0]), int(snaps.shape[0])

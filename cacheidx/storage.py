@@ -31,7 +31,7 @@ def store(index: Any, values: Any, pool: Any, donate: bool) -> Any:
     through the plan's store for every layer's pool of this size); each part of a pool of
     several (a quantized pool's codes and scales) stores what its kind encodes, through the
     one plan."""
-    backend, xp, n = index.backend, index.xp, int(pool.shape[0])
+    backend, xp, n = index.backend, index.backend.xp, int(pool.shape[0])
     plan = plans.planned(index, "store", (n,), lambda: backend.store_plan(
         xp.reshape(store_slots(index), (-1,)), n))
     kind = pools.kind(pool)
@@ -45,7 +45,7 @@ def store_slots(index: Any) -> Any:
     """Law: a token stores at its own column, the slot its table names at the column standing
     at its position (in blocks, only a block's closing token), or at the slot the draft names;
     padding and a token past the last column store nothing (-1)."""
-    xp = index.xp
+    xp = index.backend.xp
     if index.draft_slots is not None:
         return xp.where(masks.valid(index), index.draft_slots, -1)
     m, table = index.block, masks.lane_table(index)
@@ -61,7 +61,7 @@ def read(index: Any, pool: Any, values: Any) -> Any:
     the slot addresses nothing (a pool of several parts read so, each, then decoded: a
     quantized pool's codes and scales, dequantized). Under a draft, ``values`` are the call's
     own, as the pool gives them back."""
-    xp, n = index.xp, int(pool.shape[0])
+    xp, n = index.backend.xp, int(pool.shape[0])
     shape, plan = plans.planned(index, "read", (n,), lambda: read_plan(index, n))
 
     def part(p: Any) -> Any:
@@ -77,7 +77,7 @@ def read(index: Any, pool: Any, values: Any) -> Any:
 def read_plan(index: Any, n: int) -> tuple[tuple[int, ...], Any]:
     """The shape of a read of a pool of ``n`` slots, and the backend's plan of it (from the
     slots it takes, flat, and where it is not zero)."""
-    xp = index.xp
+    xp = index.backend.xp
     if index.columns is not None:
         ok = masks.sees_columns(index, index.columns)
         slots = lane_lookup(index, masks.lane_table(index), index.columns, ok)
@@ -90,7 +90,7 @@ def read_plan(index: Any, n: int) -> tuple[tuple[int, ...], Any]:
 
 def zero_where(index: Any, values: Any, ok: Any) -> Any:
     """``values`` [batch, n, ...] with rows where ``ok`` is False replaced by zero."""
-    xp = index.xp
+    xp = index.backend.xp
     gate = xp.reshape(ok, (*ok.shape, *(1,) * (values.ndim - 2)))
     return xp.where(gate, values, 0)
 
@@ -98,7 +98,7 @@ def zero_where(index: Any, values: Any, ok: Any) -> Any:
 def seen_whole(index: Any, values: Any) -> Any:
     """On a whole index the columns are the lane's tokens (or the tokens closing its blocks),
     read from ``values``; a column no token of the lane sees is zero."""
-    xp = index.xp
+    xp = index.backend.xp
     if index.columns is None and index.block == 1:
         return zero_where(index, values, masks.valid(index))
     if index.columns is not None:
@@ -120,5 +120,5 @@ def seen_whole(index: Any, values: Any) -> Any:
 
 def _last_of(index: Any, cols: Any) -> Any:
     """Each lane's greatest position, shaped to broadcast against ``cols``."""
-    return index.xp.reshape(last(index), (index.batch,) + (1,) * (cols.ndim - 1))
+    return index.backend.xp.reshape(last(index), (index.batch,) + (1,) * (cols.ndim - 1))
 

@@ -29,7 +29,7 @@ def values(index: Any, values: Any, pool: Any, fn: str = "extend", name: str = "
     if tuple(values.shape) != want:
         raise arguments.fail(fn, f"{name} must have shape {list(want)} (batch, seq, then the "
                              f"pool's row), got {list(values.shape)}")
-    kind.takes(fn, name, values, pool, index.xp)
+    kind.takes(fn, name, values, pool, index.backend.xp)
 
 
 def next_table(index: Any, table: Any, blocks: Any = None) -> None:
@@ -51,7 +51,7 @@ def next_table(index: Any, table: Any, blocks: Any = None) -> None:
         if not index.backend.same_library(new):
             raise TypeError(f"cacheidx.advance: {name} must be an array of the index's "
                             f"library ({index.backend.name}), got {type(new).__name__}")
-        arguments.array("advance", name, new, index.xp, (rows, None))
+        arguments.array("advance", name, new, index.backend.xp, (rows, None))
         if new.dtype != old.dtype:
             raise TypeError(f"cacheidx.advance: {name} holds {new.dtype} but the index's "
                             f"{old.dtype}")

@@ -64,7 +64,7 @@ class ToyHybrid:
 
     def forward(self, weights: Any, tokens: Any, index: Any, pools: Any) -> tuple[Any, list]:
         ix = index[0] if isinstance(index, list) else index
-        xp, w = ix.xp, weights
+        xp, w = ix.backend.xp, weights
         b, n = tokens.shape
         x = xp.take(w["E"], xp.reshape(tokens, (-1,)), axis=0)
         x = xp.reshape(x, (b, n, DIM))

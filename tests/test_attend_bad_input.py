@@ -25,7 +25,7 @@ HEADS, KV, D = 4, 2, 8
 def arrays(backend, slots=16, kv=KV, d=D):
     ix = ci.rows(8, [3, 4], xp=backend.name)
     rng = np.random.default_rng(0)
-    xp = ix.xp
+    xp = ix.backend.xp
 
     def a(*shape):
         return xp.asarray(rng.standard_normal(shape).astype(np.float32))
@@ -43,7 +43,7 @@ def host(x):
                                              ("scale", 1e39), ("scale", -1e39)])
 def test_a_scale_or_softcap_the_scores_dtype_cannot_hold_is_refused(backend, name, value):
     ix, q, k, v, pool = arrays(backend)
-    kpool, vpool = pool, ix.xp.asarray(host(pool).copy())
+    kpool, vpool = pool, ix.backend.xp.asarray(host(pool).copy())
     with pytest.raises(ValueError, match=rf"cacheidx\.attend: {name} .*float32.*"
                        rf"{re.escape(repr(value))}"):
         ix.attend(q, k, v, kpool, vpool, donate=True, **{name: value})
@@ -70,7 +70,7 @@ def test_one_pool_donated_as_both_is_refused(backend):
 def test_one_pool_not_donated_is_two_copies(backend):
     ix, q, k, v, pool = arrays(backend)
     out, kpool, vpool = ix.attend(q, k, v, pool, pool)
-    want, kwant, vwant = ix.attend(q, k, v, pool, ix.xp.asarray(host(pool).copy()))
+    want, kwant, vwant = ix.attend(q, k, v, pool, ix.backend.xp.asarray(host(pool).copy()))
     np.testing.assert_array_equal(host(out), host(want))
     np.testing.assert_array_equal(host(kpool), host(kwant))
     np.testing.assert_array_equal(host(vpool), host(vwant))
@@ -82,7 +82,7 @@ def test_pools_with_no_kv_head_or_an_empty_head_dim_are_refused(backend, kv, d):
     ix, q, k, v, pool = arrays(backend, kv=kv, d=d)
     with pytest.raises(ValueError, match=r"cacheidx\.attend: pools must have at least one kv "
                        rf"head .*\[16, {kv}, {d}\]"):
-        ix.attend(q, k, v, pool, ix.xp.asarray(host(pool).copy()))
+        ix.attend(q, k, v, pool, ix.backend.xp.asarray(host(pool).copy()))
 
 
 def test_a_donated_pool_of_shared_rows_is_refused():

@@ -30,7 +30,7 @@ def call(xp_name: str, inf_at=(0, -1, 0, 0)):
 
 
 def run(ix, q, k, v, **options):
-    xp = ix.xp
+    xp = ix.backend.xp
     pool = np.zeros((16, KV, D), np.float32)
     got = ix.attend(*(xp.asarray(a) for a in (q, k, v, pool, pool.copy())), **options)[0]
     return np.asarray(got.detach() if hasattr(got, "detach") else got)
@@ -100,7 +100,7 @@ def test_torch_traced_tiles_keep_it():
 def test_a_nan_sink_is_nan_in_nan_out_and_a_padded_token_stays_zero(backend):
     ix, q, k, _, finite = call(backend.name)
     sinks = np.array([0.5, np.nan, 3.0, 0.0], np.float32)
-    got = run(ix, q, k, finite, sinks=ix.xp.asarray(sinks))
+    got = run(ix, q, k, finite, sinks=ix.backend.xp.asarray(sinks))
     assert np.all(got[0, 0] == 0), "a padded token weighs no column: exactly zero"
     assert np.isnan(got[:, :, 1]).sum() == 7 * D, "NaN at head 1 of every token seeing a column"
     pool = np.zeros((16, KV, D), np.float32)

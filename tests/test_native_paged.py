@@ -71,7 +71,7 @@ def step(lib: str, rng, lens, *, kind="float32", window=None, shared=0, sinks=Fa
     index = ci.make(conv(pos), conv(table))
     if window is not None:
         index = index.window(window)
-    xp = index.xp
+    xp = index.backend.xp
     f32 = np.float32
 
     def rows(*shape):

@@ -29,7 +29,7 @@ def decode_step(lib: str, *, overflow: bool):
     overflowed: float32 can not hold it) and the others are zero."""
     rng = np.random.default_rng(0)
     ix = ci.rows(256, [T], xp=lib)
-    xp = ix.xp
+    xp = ix.backend.xp
     k = rng.standard_normal((1, T, KV, D)).astype(np.float32)
     if overflow:
         k[:] = 0
@@ -72,7 +72,7 @@ def test_a_leading_block_of_minus_inf_scores_weighs_nothing_through_the_kernel(l
         pytest.importorskip("torch")
     kernel_or_skip()
     step, q, k, v, kp, vp = decode_step(lib, overflow=True)
-    xp = step.xp
+    xp = step.backend.xp
     calls = used_kernel(monkeypatch)
     got = np.asarray(step.attend(*(xp.asarray(a) for a in (q, k, v)), kp, vp)[0])
     assert calls and all(calls), "the run went through the kernel"

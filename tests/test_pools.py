@@ -69,7 +69,7 @@ HEADS, KV, D, SLOTS = 4, 2, 8, 16
 
 def _arrays(backend):
     ix = ci.rows(8, [3, 4], xp=backend.name)
-    xp = ix.xp
+    xp = ix.backend.xp
     rng = np.random.default_rng(0)
 
     def a(*shape):
@@ -95,14 +95,14 @@ def test_extend_through_a_new_kind_stores_its_parts_and_reads_what_they_stand_fo
     ix, q, k, v, kpool, vpool = _arrays(backend)
     seen, kept = ix.extend(k, kpool)
     assert isinstance(kept, Scaled)
+    floats = pools.stands_for(kpool, k, ix.backend.xp)
     np.testing.assert_allclose(ci.devices.to_host(seen),
-                               ci.devices.to_host(ix.extend(pools.stands_for(kpool, k, ix.xp),
-                                                            _floats(ix, kpool))[0]),
+                               ci.devices.to_host(ix.extend(floats, _floats(ix, kpool))[0]),
                                rtol=1e-6, atol=1e-6)
 
 
 def _floats(ix, pool):
-    return ix.xp.zeros(pool.shape, dtype=ix.xp.float32)
+    return ix.backend.xp.zeros(pool.shape, dtype=ix.backend.xp.float32)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

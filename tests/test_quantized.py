@@ -152,7 +152,7 @@ def test_the_round_trip_is_within_half_a_scale(drawn, library):
 def call_arrays(backend, bits=8):
     """An index, q, k, v and an empty quantized pool of 16 slots on ``backend``."""
     ix = ci.rows(8, [3, 4], xp=backend.name)
-    xp = ix.xp
+    xp = ix.backend.xp
     rng = np.random.default_rng(0)
 
     def a(*shape):
@@ -175,7 +175,8 @@ def test_a_float_pool_as_codes_is_a_type_error(backend):
     """Codes must be int8 or uint8: a float pool wrapped as codes is a TypeError naming the
     call, before anything is stored."""
     ix, q, k, v, pool = call_arrays(backend)
-    floats = quantized.Quantized(ix.xp.zeros((16, KV, D), dtype=ix.xp.float32), pool.scales)
+    xp = ix.backend.xp
+    floats = quantized.Quantized(xp.zeros((16, KV, D), dtype=xp.float32), pool.scales)
     with raises(TypeError, "cacheidx.extend", "codes"):
         ix.extend(k, floats)
     with raises(TypeError, "cacheidx.attend", "kpool"):
@@ -188,7 +189,7 @@ def test_scales_of_other_slots_than_the_codes_are_a_value_error(backend):
     """Scales are ``[slots, kv_heads]`` of the codes' slots: one slot short, or another count
     of kv heads, is a ValueError naming the call."""
     ix, q, k, v, pool = call_arrays(backend)
-    xp = ix.xp
+    xp = ix.backend.xp
     for shape in ((15, KV), (16, KV + 1), (16,)):
         bad = quantized.Quantized(pool.codes, xp.zeros(shape, dtype=xp.float32))
         with raises(ValueError, "cacheidx.extend", "scales"):
@@ -201,7 +202,7 @@ def test_int_values_into_a_quantized_pool_are_a_type_error(backend):
     """What a call stores into a quantized pool must be real floats; the pool is left as it
     was, donated or not."""
     ix, q, k, v, pool = call_arrays(backend)
-    xp = ix.xp
+    xp = ix.backend.xp
     ints = xp.astype(k, xp.int32)
     with raises(TypeError, "cacheidx.extend", "real floats"):
         ix.extend(ints, pool, donate=True)

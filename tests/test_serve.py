@@ -46,7 +46,7 @@ class Ledger:
         return [(xp.zeros((slots, 1), dtype=w.dtype, device=device_of(w)),)]
 
     def forward(self, weights, tokens, index, pools):
-        xp = index.xp
+        xp = index.backend.xp
         ((pool,),) = pools
         values = xp.reshape(xp.astype(tokens + 1, pool.dtype), (*tokens.shape, 1))
         seen, pool = index.extend(values, pool, donate=True)

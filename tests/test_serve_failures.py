@@ -53,7 +53,7 @@ class Poisoned:
         if (to_host(tokens) == POISON).any():
             raise ValueError("poisoned")
         logits, pools = self.inner.forward(weights, tokens, index, pools)
-        xp = index.xp
+        xp = index.backend.xp
         never = xp.arange(logits.shape[-1]) == POISON
         return xp.where(never, xp.asarray(-xp.inf, dtype=logits.dtype), logits), pools
 

@@ -48,7 +48,7 @@ class WindowedLedger:
     def forward(self, weights, tokens, index, pools):
         indices = index if isinstance(index, list) else [index] * len(self.windows)
         first = indices[0]
-        xp = first.xp
+        xp = first.backend.xp
         h, out = 0, []
         for layer, ((pool,), ix, window) in enumerate(zip(pools, indices, self.windows)):
             ix = ix if window is None else ix.window(window)

@@ -123,8 +123,8 @@ def stored(call: Call) -> Call:
                                vpool=storage.store(index, call.v, call.vpool, call.donate))
     if index.kind != "tabled" or index.draft_slots is not None:
         # the columns read from the call's own keys and values: as the pools give them back
-        stored = stored._replace(k=pools.stands_for(call.kpool, call.k, index.xp),
-                                 v=pools.stands_for(call.vpool, call.v, index.xp))
+        stored = stored._replace(k=pools.stands_for(call.kpool, call.k, index.backend.xp),
+                                 v=pools.stands_for(call.vpool, call.v, index.backend.xp))
     return stored
 
 
@@ -132,7 +132,7 @@ def standard(call: Call) -> Any:
     """The output of ``call`` (its pools holding its stores), tile by tile, on the array API
     standard alone."""
     index, q = call.index, call.q
-    state = Online.start(index.xp, q, call.keys_of, int(call.vpool.shape[-1]),
+    state = Online.start(index.backend.xp, q, call.keys_of, int(call.vpool.shape[-1]),
                          int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap,
                          host=index.backend.on_host(q))
     for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.tile_width):
@@ -179,7 +179,7 @@ def _check(index: Any, q: Any, k: Any, v: Any, kpool: Any, vpool: Any, scale: An
     values would be stored over the keys: refused, as is a donated pool of which several
     elements share memory (a stride of 0, as ``expand`` and ``broadcast_to`` make), into
     which a store would write one row into several slots."""
-    backend, xp = index.backend, index.xp
+    backend, xp = index.backend, index.backend.xp
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not backend.same_library(x):
             raise TypeError(f"cacheidx.attend: {name} must be an array of the index's library "

@@ -144,7 +144,7 @@ def _reader(index: Any) -> Any:
     """``read(pool, slots, ok)``: the rows of ``pool`` at ``slots`` ``[lanes, T]`` where ``ok``
     and inside the pool, zero elsewhere (of a pool of several parts, each so:
     :func:`cacheidx.pools.map`)."""
-    xp = index.xp
+    xp = index.backend.xp
 
     def read(pool: Any, slots: Any, ok: Any) -> Any:
         def part(p: Any) -> Any:
@@ -164,7 +164,7 @@ def _looped(call: Any, share: Share = ()) -> Any:
     from jax import lax
 
     index = call.index
-    xp, kpool, vpool = index.xp, call.kpool, call.vpool
+    xp, kpool, vpool = index.backend.xp, call.kpool, call.vpool
     table, some = masks.lane_table(index), masks.seen_by_some(index)
     width = int(table.shape[1])
     offsets = _offsets(index.batch, share)
@@ -229,7 +229,7 @@ def _prefixes(call: Any, q: Any, table: Any, share: Share, read: Any
     """Every lane's state ``(m, l, acc)`` over its shared prefix, ``[batch, kv, g, seq, ...]``
     (:func:`_prefix`, once per group): a lane sharing none gets the state of no column
     (``-inf``, 0, 0), which a merge leaves exactly as it was."""
-    xp = call.index.xp
+    xp = call.index.backend.xp
     batch, kv, g, seq, _ = q.shape
     dv = int(call.vpool.shape[-1])
     none = (xp.full((1, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
@@ -257,7 +257,7 @@ def _prefix(call: Any, q: Any, row: Any, lanes: tuple[int, ...], read: Any
     from . import tile_size
 
     index = call.index
-    xp = index.xp
+    xp = index.backend.xp
     _, kv, g, seq, d = q.shape
     n = len(lanes)
     stacked = xp.permute_dims(xp.take(q, xp.asarray(np.asarray(lanes)), axis=0), (1, 0, 2, 3, 4))

@@ -149,7 +149,7 @@ plans.CARRY["paged"] = carry
 def read(call: Any) -> Any | None:
     """``call``'s output (its pools holding its stores) through the kernel, or ``None`` where
     the plan or the kernel refuses it."""
-    index, xp, q = call.index, call.index.xp, call.q
+    index, xp, q = call.index, call.index.backend.xp, call.q
     n = int(call.kpool.shape[0])
     if int(call.vpool.shape[0]) != n:
         return None

@@ -153,7 +153,7 @@ def read(call: Any, scores: int) -> Any | None:
     index = call.index
     if index.backend.tracing(index.pos) or not reads(index):
         return None
-    xp, q, kpool, vpool = index.xp, call.q, call.kpool, call.vpool
+    xp, q, kpool, vpool = index.backend.xp, call.q, call.kpool, call.vpool
     n = int(kpool.shape[0])
     if int(vpool.shape[0]) != n:
         return None
@@ -189,7 +189,7 @@ def _owned(call: Any, own: Own, placed: tuple[Any, Any], grouped: Any, dv: int, 
     of them (a product per kv head over ``[lanes, width]`` gathered rows, through ``placed``:
     the tile's read plan and mask on the device), each lane's states over its prefix merged in
     first: one online softmax for every such lane, not one a lane."""
-    xp, index = call.index.xp, call.index
+    xp, index = call.index.backend.xp, call.index
     lanes = list(own.lanes)
     state = Online(xp, "lane", xp.concat([grouped[b:b + 1, ...] for b in lanes], axis=0), dv,
                    call.softcap, call.q.dtype, host=_in_host_memory(call))
@@ -207,7 +207,7 @@ def _shared(call: Any, group: Group, grouped: Any, dv: int, interleaved: bool,
     """The online softmax's state ``(m, l, acc)`` of each lane of ``group`` over its shared
     columns: the lanes' queries stacked as one lane's heads (``[1, kv, lanes x g, seq, d]``),
     so that each kv head's product reads a piece once for all of them."""
-    xp = call.index.xp
+    xp = call.index.backend.xp
     _, kv, g, seq, d = grouped.shape
     lanes = len(group.lanes)
     q = xp.concat([grouped[b:b + 1, ...] for b in group.lanes], axis=0)
@@ -229,7 +229,7 @@ def _lane(call: Any, own: Any, blocks: Blocks, gathered: dict[int, Any], grouped
     read plans of its gathered tiles (:class:`Placed`); a long piece of
     ``interleaved`` pools (token-major) is read in chunks; ``products`` are the library's own
     (:func:`~.paths.products`), or None."""
-    xp = call.index.xp
+    xp = call.index.backend.xp
     parts = []
     for i0, i1, pieces in blocks:
         state = Online(xp, "lane", grouped[:, :, :, i0:i1, :], dv, call.softcap, call.q.dtype,
@@ -260,7 +260,7 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int,
     # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (
-        4 if quantized else _bytes(call.index.xp, pools.parts(kpool)[0].dtype))
+        4 if quantized else _bytes(call.index.backend.xp, pools.parts(kpool)[0].dtype))
     longest = max((p.c1 - p.c0 for p in pieces if isinstance(p, Piece)), default=0) * row
     if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
         state.chunk = max(64, CHUNK // row)

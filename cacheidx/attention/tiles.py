@@ -67,7 +67,7 @@ def _spans(width: int, size: int) -> Iterator[tuple[int, int]]:
 def rows(index: Any, pool: Any, read: Any, shape: tuple[int, ...]) -> Any:
     """The rows of ``pool`` the backend's read plan ``read`` reads, ``[*shape, ...]`` (of a
     pool of several parts, each so: :func:`cacheidx.pools.map`)."""
-    xp, backend = index.xp, index.backend
+    xp, backend = index.backend.xp, index.backend
     return pools.map(pool, lambda part: xp.reshape(backend.read(part, read),
                                                    (*shape, *part.shape[1:])))
 
@@ -84,7 +84,7 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
     ``seen(host)`` the tile's mask on the host index ``host`` (:func:`cacheidx.plan.host`),
     which says whether some token sees a column and whether every token sees every one, read
     there rather than from the device."""
-    xp, backend = index.xp, index.backend
+    xp, backend = index.backend.xp, index.backend
 
     def plan(n: int) -> _Plan:
         slots, ok, _ = make()
@@ -131,7 +131,7 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
 
 def draft(index: Any, k: Any, v: Any) -> Tile:
     """Under a draft, the call's own tokens: the columns after the table's."""
-    xp = index.xp
+    xp = index.backend.xp
     tail = masks.draft_tail(index)
     some = xp.any(tail, axis=1)
     return Tile(storage.zero_where(index, k, some), storage.zero_where(index, v, some), tail)

@@ -32,7 +32,7 @@ def recur(index, x, pools):
     """One toy recurrent layer through the index: ``(first, states, pools')``, the state each
     lane starts from (law 1), the state after every token and the pools after
     :func:`state.store` (law 2)."""
-    xp, be = index.xp, index.backend
+    xp, be = index.backend.xp, index.backend
     first = s = state.start(index, pools)
     valid = masks.valid(index)
     states = []

@@ -185,7 +185,7 @@ def _check(fn: str, shape: Shape, h: Any, index: Any, pools: Any) -> None:
 
 
 def _mix(p, shape, h, index, pools, mm, donate):
-    xp, be = index.xp, index.backend
+    xp, be = index.backend.xp, index.backend
     c = shape
     b, s = index.batch, index.seq
     conv_pools, rec_pools = (state.Pools(*q) for q in pools)

@@ -511,7 +511,7 @@ def linear_layer(p, config: Config, x, index, pools, *, donate=False, xp=None, p
     its ``(conv, recurrent)`` pools after the call (:mod:`cacheidx.state`'s laws). ``index``
     must be a :class:`cacheidx.CacheIndex` (its states' start and stores are its)."""
     c = config
-    xp = xp or index.xp
+    xp = xp or index.backend.xp
     mm = (product or _at) if c.matmul_mantissa is None else _rounded(c.matmul_mantissa)
     h = _whole(index, x, None, _normed, c, xp)(p["attn_norm"], x)
     o, pools = deltanet.mix(p["linear"], c.linear, h, index, pools, mm=mm, donate=donate)
