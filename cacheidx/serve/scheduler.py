@@ -408,12 +408,12 @@ class Scheduler:
 
     def _finish(self, lane: Lane, now: float) -> Result | None:
         if self.detokenize is not None:  # law 8: its text, cut before a stop string
-            tokens, request = lane.result.tokens, lane.request
-            text = self.detokenize(tokens[:-1] if tokens[-1] in request.stop else tokens)
-            stops = request.sampling.stop if request.sampling is not None else ()
             if lane.text is not None and lane.text.found >= 0:  # cut where _ends found it
                 lane.result.text = lane.text.text
             else:
+                tokens, request = lane.result.tokens, lane.request
+                text = self.detokenize(tokens[:-1] if tokens[-1] in request.stop else tokens)
+                stops = request.sampling.stop if request.sampling is not None else ()
                 lane.result.text = cut(text, stops)[0] if stops else text
         if self.reuse:  # the pages filled while decoding: every token but the last is written
             written = np.concatenate([lane.data, np.asarray(lane.result.tokens[:-1], np.int64)])
