@@ -193,9 +193,7 @@ def keeps_columns(index: Any, nxt: Any) -> bool:
 
 
 def _equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(x is y or (
-        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y))
-        for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def _int64(a: np.ndarray) -> np.ndarray:
