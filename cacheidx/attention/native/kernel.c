@@ -64,15 +64,6 @@ INLINE float halved(float *s) {
     return s[0];
 }
 
-INLINE float dot(const float *restrict a, const float *restrict b, int d) {
-    float s[LANES] = {0};
-    int i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int j = 0; j < LANES; j++) s[j] += a[i + j] * b[i + j];
-    for (int j = 0; i + j < d; j++) s[j] += a[i + j] * b[i + j];
-    return halved(s);
-}
-
 INLINE float sum(const float *a, int n) {
     float s[LANES] = {0};
     int i = 0;
@@ -95,6 +86,59 @@ INLINE float largest(const float *a, int n) {
     return s[0];
 }
 
+/* LANES floats as one value: GCC's generic vectors, lowered to whatever registers a clone has
+   (one AVX-512 register, two AVX2 ones, four SSE ones) with the same operations lane by lane,
+   so every clone computes the same bits */
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
+
+INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+INLINE void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* fexp lane by lane, in vector operations (the compiler does not vectorise fexp's loop):
+   rintf(t) as (t + 1.5 2^23) - 1.5 2^23, the same integer for |t| < 2^22 under the default
+   rounding, and t is within [-126, 1] here */
+INLINE vf vexp(vf x) {
+    const vi low = x < -87.0f;
+    x = (vf)(((vi)x & ~low) | ((vi)((vf){0} - 87.0f) & low));
+    vf t = x * 1.44269504088896341f;
+    vf n = (t + 12582912.0f) - 12582912.0f;
+    vf f = (t - n) * 0.69314718055994531f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666666666666667e-1f + f * (
+        4.1666666666666667e-2f + f * (8.3333333333333333e-3f + f * (
+        1.3888888888888889e-3f + f * 1.9841269841269841e-4f))))));
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & ~low);
+}
+
+/* The dot products of one query row with LANES key rows, as `halved` sums each: p[c] holds
+   column c's LANES partial sums (element i in sum i % LANES, left to right); the pairwise
+   halving (lanes j and j + 8, then j + 4, j + 2, j + 1) runs for the LANES columns at once,
+   two of them a vector at each level (a transpose as it goes), so column c's sum lands in
+   lane c: the same additions as `halved` on each column, a fifth of the instructions. */
+INLINE vf sums(const vf *p) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
+             + __builtin_shuffle(p[2 * i], p[2 * i + 1],
+                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27})
+             + __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29})
+             + __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(c[0], c[1],
+                             (vi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30})
+         + __builtin_shuffle(c[0], c[1],
+                             (vi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 /* codes of one row as floats c_i: 8 bits, or 4 bits packed (byte i: code i low, i + d/2 high) */
 INLINE void row(const uint8_t *restrict c, int d, int bits, float *restrict out) {
     if (bits == 8) {
@@ -106,94 +150,6 @@ INLINE void row(const uint8_t *restrict c, int d, int bits, float *restrict out)
         for (int i = 0; i < h; i++) out[i + h] = (float)(int)(c[i] >> 4) - 8.0f;
     }
 }
-
-/* One run of T columns of one lane, every kv head h < kv and query row r < m:
-   q[(h m + r) d + i] the scaled queries; key codes of column t, head h at kc + t kst + h khs
-   (bytes), their scale at ks[t kss + h khs2]; values alike. Out: mo, lo [kv m] and
-   acc [kv m dv]: the online softmax's state over the run. Returns 1 (its outputs to be
-   discarded) where a scale or a query is not finite, a score is NaN or +inf (a product that
-   overflowed: the core weighs it as its laws say), or m > ROWS.
-   A row whose scores so far are all -inf (products that overflowed) weighs no column: its
-   state stays m = -inf, l = 0, acc = 0, and a block is weighed against a maximum of 0 while
-   the row's maximum is -inf (the online softmax's rule: never exp(-inf - -inf)). */
-INLINE int run(
-        int T, int kv, int m, int d, int dv, int kbits, int vbits, const float *q,
-        const uint8_t *kc, long kst, long khs, const float *ks, long kss, long khs2,
-        const uint8_t *vc, long vst, long vhs, const float *vs, long vss, long vhs2,
-        float *mo, float *lo, float *acc) {
-    if (m > ROWS || T <= 0) return 1;
-    for (int i = 0; i < kv * m * d; i++) if (!is_finite(q[i])) return 1;
-    for (int h = 0; h < kv; h++)
-        for (int t = 0; t < T; t++)
-            if (!is_finite(ks[t * kss + h * khs2]) || !is_finite(vs[t * vss + h * vhs2]))
-                return 1;
-    float z[ROWS][BLOCK], krow[WIDEST], vrow[WIDEST];
-    if (d > WIDEST || dv > WIDEST) return 1;
-    for (int h = 0; h < kv; h++) {
-        const float *qh = q + (long)h * m * d;
-        float *M = mo + h * m, *L = lo + h * m, *A = acc + (long)h * m * dv;
-        memset(A, 0, sizeof(float) * m * dv);
-        for (int t0 = 0; t0 < T; t0 += BLOCK) {
-            int nb = T - t0 < BLOCK ? T - t0 : BLOCK;
-            for (int j = 0; j < nb; j++) {
-                long t = t0 + j;
-                row(kc + t * kst + h * khs, d, kbits, krow);
-                float s = ks[t * kss + h * khs2];
-                for (int r = 0; r < m; r++) z[r][j] = dot(qh + r * d, krow, d) * s;
-            }
-            int bad = 0;
-            for (int r = 0; r < m; r++)
-                for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
-            if (bad) return 1;
-            for (int r = 0; r < m; r++) {
-                float top = largest(z[r], nb);
-                if (t0 > 0 && M[r] > top) top = M[r];
-                float base = top == -INFINITY ? 0.0f : top;
-                float fade = t0 > 0 ? fexp(M[r] - base) : 0.0f;
-                for (int j = 0; j < nb; j++) z[r][j] = fexp(z[r][j] - base);
-                float total = sum(z[r], nb);
-                L[r] = t0 > 0 ? L[r] * fade + total : total;
-                if (t0 > 0) for (int e = 0; e < dv; e++) A[r * dv + e] *= fade;
-                M[r] = top;
-            }
-            for (int j = 0; j < nb; j++) {
-                long t = t0 + j;
-                row(vc + t * vst + h * vhs, dv, vbits, vrow);
-                float s = vs[t * vss + h * vhs2];
-                for (int r = 0; r < m; r++) {
-                    float w = z[r][j] * s;
-                    float *a = A + r * dv;
-                    for (int e = 0; e < dv; e++) a[e] += w * vrow[e];
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-/* The arguments of one run, by name (native/found.py's Run mirrors them). */
-typedef struct {
-    int T, kv, m, d, dv, kbits, vbits;
-    const float *q;
-    const uint8_t *kc; long kst, khs; const float *ks; long kss, khs2;
-    const uint8_t *vc; long vst, vhs; const float *vs; long vss, vhs2;
-    float *mo, *lo, *acc;
-} cacheidx_run_args;
-
-/* the call, its widths and head dims made constants where they are the common ones, so that
-   the compiler unrolls and vectorises each row's loops whole */
-#define RUN(D, KB, VB) run(a->T, a->kv, a->m, D, D, KB, VB, a->q, a->kc, a->kst, a->khs, a->ks, \
-                           a->kss, a->khs2, a->vc, a->vst, a->vhs, a->vs, a->vss, a->vhs2, \
-                           a->mo, a->lo, a->acc)
-CLONES static int cacheidx_run(const cacheidx_run_args *a) {
-    if (a->d == a->dv && a->kbits == a->vbits) {
-        if (a->d == 64) return a->kbits == 8 ? RUN(64, 8, 8) : RUN(64, 4, 4);
-        if (a->d == 128) return a->kbits == 8 ? RUN(128, 8, 8) : RUN(128, 4, 4);
-    }
-    return RUN(a->d, a->kbits, a->vbits);
-}
-
-/* ---- paged decode: every lane's seen columns through its row of the table, in one call ---- */
 
 /* the kinds of element a pool (or its scales) holds */
 enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, I4 = 4 };
@@ -217,12 +173,15 @@ INLINE float from_f16(uint16_t h) {
 #endif
 }
 
-/* one row of d elements of kind k at base + off (off in elements; in bytes for codes), as
-   floats: the row itself where it is float32, else cast into buf */
+/* One row of d elements of kind k at base + off (off in elements; in bytes for codes) as
+   floats, padded with zeros to dp (a multiple of LANES): the row itself where it is float32
+   and needs no padding, else cast into buf (a zero adds nothing to a sum). */
 INLINE const float *load(
-        const void *base, long off, int k, int d, float *restrict buf) {
-    if (k == F32) return (const float *)base + off;
-    if (k == F16) {
+        const void *base, long off, int k, int d, int dp, float *restrict buf) {
+    if (k == F32 && d == dp) return (const float *)base + off;
+    if (k == F32) {
+        memcpy(buf, (const float *)base + off, sizeof(float) * d);
+    } else if (k == F16) {
         const uint16_t *p = (const uint16_t *)base + off;
         for (int i = 0; i < d; i++) buf[i] = from_f16(p[i]);
     } else if (k == BF16) {
@@ -231,16 +190,18 @@ INLINE const float *load(
     } else {
         row((const uint8_t *)base + off, d, k == I8 ? 8 : 4, buf);
     }
+    for (int i = d; i < dp; i++) buf[i] = 0.0f;
     return buf;
 }
 
 /* bytes an element of kind k takes (codes: a byte, two 4-bit codes) */
 INLINE long width(int k) { return k == F32 ? 4 : k <= BF16 ? 2 : 1; }
 
-/* asks the processor for the d elements of kind k at p, one cache line at a time */
+/* asks the processor for the d elements of kind k at p, one cache line at a time, into its
+   second-level cache (into the first, they would hold the line fill buffers demand reads need) */
 INLINE void ahead(const char *p, int d, int k) {
     long bytes = k == I4 ? d / 2 : d * width(k);
-    for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x);
+    for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x, 0, 2);
 }
 
 INLINE float scale_at(const void *base, long off, int k) {
@@ -248,6 +209,157 @@ INLINE float scale_at(const void *base, long off, int k) {
     uint16_t h = ((const uint16_t *)base)[off];
     return k == F16 ? from_f16(h) : from_bf16(h);
 }
+
+/* Where one kv head's key and value rows lie: the rows of column t at slot s (s = slots[t],
+   or t itself where slots is NULL) start at k + s kst elements (bytes for codes), their
+   scales (I8 and I4 pools) at ks + s kss; values alike. */
+typedef struct {
+    const void *k, *ks, *v, *vs;
+    long kst, kss, vst, vss;
+    int kk, vk, ksk, vsk;          /* the rows' kinds and their scales' */
+    const int64_t *slots;
+} source;
+
+/* The online softmax's state (M, L, A: [g], [g], [g, dv]) of g query rows q [g, d] (scaled)
+   over columns c0 to c1 - 1 of one kv head, each key and value row read once for all g rows.
+   Scores are weighed in blocks of BLOCK columns, LANES columns at a time: each row's dot
+   products as `sums` adds them, times the key's scale, then exp(z - the block's running
+   maximum); values summed column by column in order, each weighed by its score times its
+   scale. Returns 1 (the outputs to be discarded) where a query is not finite, a score is NaN
+   or +inf, or the state is not finite at the end (a value or a scale that is not: the core
+   weighs the call as its laws say). A score of -inf weighs nothing; a row whose scores are
+   all -inf keeps M = -inf, L = 0, A = 0 (never exp(-inf - -inf)). */
+INLINE int attend(const source *src, long c0, long c1, const float *q, int g, int d, int dv,
+                  int kk, int vk, float *M, float *L, float *A) {
+    const int dp = (d + LANES - 1) / LANES * LANES, dvp = (dv + LANES - 1) / LANES * LANES;
+    const int nd = dp / LANES, ndv = dvp / LANES;
+    for (int i = 0; i < g * d; i++) if (!is_finite(q[i])) return 1;
+    float qp[ROWS * WIDEST], acc[ROWS * WIDEST];
+    const float *qr = q;
+    if (d != dp) {
+        for (int r = 0; r < g; r++)
+            for (int i = 0; i < dp; i++) qp[r * dp + i] = i < d ? q[r * d + i] : 0.0f;
+        qr = qp;
+    }
+    for (int r = 0; r < g; r++) { M[r] = -INFINITY; L[r] = 0.0f; }
+    memset(acc, 0, sizeof(float) * g * dvp);
+    float z[ROWS][BLOCK], kbuf[LANES * WIDEST], vbuf[LANES * WIDEST], ksc[LANES], vsc[LANES];
+    const float *rows[LANES];
+    const int64_t *slots = src->slots;
+    for (long t0 = c0; t0 < c1; t0 += BLOCK) {
+        int nb = c1 - t0 < BLOCK ? (int)(c1 - t0) : BLOCK;
+        for (int j0 = 0; j0 < nb; j0 += LANES) {
+            int n = nb - j0 < LANES ? nb - j0 : LANES;
+            for (int c = 0; c < LANES; c++) {
+                long t = t0 + j0 + c, s = slots ? slots[t] : t;
+                if (c >= n) { rows[c] = rows[0]; ksc[c] = 1.0f; continue; }
+                /* the rows AHEAD columns on fetched now: a lane's pages lie anywhere, and
+                   the processor's prefetcher stops at each page's end */
+                if (t + AHEAD < c1) {
+                    long f = slots ? slots[t + AHEAD] : t + AHEAD;
+                    ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
+                    ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
+                }
+                rows[c] = load(src->k, s * src->kst, kk, d, dp, kbuf + c * dp);
+                ksc[c] = kk >= I8 ? scale_at(src->ks, s * src->kss, src->ksk) : 1.0f;
+            }
+            for (int r = 0; r < g; r++) {
+                const float *qq = qr + r * dp;
+                vf p[LANES];
+                for (int c = 0; c < LANES; c++) {
+                    vf x = vload(qq) * vload(rows[c]);
+                    for (int i = 1; i < nd; i++)
+                        x += vload(qq + i * LANES) * vload(rows[c] + i * LANES);
+                    p[c] = x;
+                }
+                vf got = sums(p);
+                if (kk >= I8) got *= vload(ksc);
+                vstore(&z[r][j0], got);  /* past n: columns read twice, never weighed */
+            }
+        }
+        int bad = 0;
+        for (int r = 0; r < g; r++)
+            for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
+        if (bad) return 1;
+        for (int r = 0; r < g; r++) {
+            float top = largest(z[r], nb);
+            top = M[r] > top ? M[r] : top;
+            float base = top == -INFINITY ? 0.0f : top;
+            float fade = fexp(M[r] - base);  /* 0 where M is -inf: L and acc are 0 there */
+            for (int j = 0; j < nb; j += LANES)  /* past nb: never summed or weighed */
+                vstore(&z[r][j], vexp(vload(&z[r][j]) - base));
+            L[r] = L[r] * fade + sum(z[r], nb);
+            if (fade != 1.0f) for (int e = 0; e < dvp; e++) acc[r * dvp + e] *= fade;
+            M[r] = top;
+        }
+        for (int j0 = 0; j0 < nb; j0 += LANES) {
+            int n = nb - j0 < LANES ? nb - j0 : LANES;
+            for (int c = 0; c < n; c++) {
+                long t = t0 + j0 + c, s = slots ? slots[t] : t;
+                rows[c] = load(src->v, s * src->vst, vk, dv, dvp, vbuf + c * dvp);
+                vsc[c] = vk >= I8 ? scale_at(src->vs, s * src->vss, src->vsk) : 1.0f;
+            }
+            for (int r = 0; r < g; r++) {
+                float w[LANES];
+                for (int c = 0; c < n; c++) w[c] = vk >= I8 ? z[r][j0 + c] * vsc[c] : z[r][j0 + c];
+                /* eight accumulators at a time, each a chain of its own: one chain would
+                   wait out each addition's latency */
+                for (int e0 = 0; e0 < ndv; e0 += 8) {
+                    int ne = ndv - e0 < 8 ? ndv - e0 : 8;
+                    float *o = acc + r * dvp + e0 * LANES;
+                    vf a[8];
+                    for (int e = 0; e < ne; e++) a[e] = vload(o + e * LANES);
+                    for (int c = 0; c < n; c++)
+                        for (int e = 0; e < ne; e++)
+                            a[e] += w[c] * vload(rows[c] + (e0 + e) * LANES);
+                    for (int e = 0; e < ne; e++) vstore(o + e * LANES, a[e]);
+                }
+            }
+        }
+    }
+    int bad = 0;
+    for (int r = 0; r < g; r++) {
+        for (int e = 0; e < dv; e++) bad |= !is_finite(A[r * dv + e] = acc[r * dvp + e]);
+        bad |= !is_finite(L[r]);
+    }
+    return bad;
+}
+
+/* The arguments of one run, by name (native/found.py's Run mirrors them). */
+typedef struct {
+    int T, kv, m, d, dv, kbits, vbits;
+    const float *q;
+    const uint8_t *kc; long kst, khs; const float *ks; long kss, khs2;
+    const uint8_t *vc; long vst, vhs; const float *vs; long vss, vhs2;
+    float *mo, *lo, *acc;
+} cacheidx_run_args;
+
+/* One run: columns 0 to T - 1 of kv head h at kc + t kst + h khs (bytes; codes of 8 or 4
+   bits), their scales at ks[t kss + h khs2], values alike; query rows q[h m d ...]. */
+#define RUN(D, K) attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2, \
+        a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss, a->vst, a->vss, \
+        K, K, F32, F32, NULL }, 0, a->T, a->q + (long)h * a->m * D, a->m, D, D, K, K, \
+        a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * D)
+CLONES static int cacheidx_run(const cacheidx_run_args *a) {
+    if (a->m > ROWS || a->m < 1 || a->T <= 0 || a->d > WIDEST || a->dv > WIDEST
+        || (a->kbits != 8 && a->kbits != 4) || (a->vbits != 8 && a->vbits != 4)) return 1;
+    int kk = a->kbits == 8 ? I8 : I4, vk = a->vbits == 8 ? I8 : I4;
+    for (int h = 0; h < a->kv; h++) {
+        int bad;
+        if (a->d == a->dv && kk == vk && a->d == 64) bad = kk == I8 ? RUN(64, I8) : RUN(64, I4);
+        else if (a->d == a->dv && kk == vk && a->d == 128)
+            bad = kk == I8 ? RUN(128, I8) : RUN(128, I4);
+        else bad = attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2,
+                                     a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss,
+                                     a->vst, a->vss, kk, vk, F32, F32, NULL },
+                          0, a->T, a->q + (long)h * a->m * a->d, a->m, a->d, a->dv, kk, vk,
+                          a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * a->dv);
+        if (bad) return 1;
+    }
+    return 0;
+}
+
+/* ---- paged decode: every lane's seen columns through its row of the table, in one call ---- */
 
 /* The arguments of one paged call, by name (native/found.py's Paged mirrors them). */
 typedef struct {
@@ -266,74 +378,20 @@ typedef struct {
     float *m, *l, *acc;         /* [lanes, kv, g] twice, [lanes, kv, g, dv] */
 } cacheidx_paged_args;
 
-/* Lane b at kv head h: the online softmax's state (m, l, acc) of its g query rows over its
-   seen columns, read through its row of the table (pages in any order, one slot a column).
-   Returns 1 (the call's outputs to be discarded) where a query is not finite, a score is NaN
-   or +inf, or the state is not finite at the end (a value or scale not finite: the core then
-   weighs the call as its laws say). A score of -inf weighs nothing; a row whose scores are
-   all -inf keeps m = -inf, l = 0, acc = 0. */
-INLINE int lane(
-        const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk) {
-    const int g = a->g;
+/* lane b at kv head h: its g query rows over its seen columns, read through its row of the
+   table (pages in any order, one slot a column), with attend's law */
+INLINE int lane(const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk) {
     const long at = (long)b * a->kv + h;
-    const float *q = a->q + at * g * d;
-    float *M = a->m + at * g, *L = a->l + at * g, *A = a->acc + at * g * dv;
-    const int64_t *slots = a->table + (long)b * a->table_stride;
-    const long c0 = a->start[b], c1 = a->stop[b];
-    for (int i = 0; i < g * d; i++) if (!is_finite(q[i])) return 1;
-    for (int r = 0; r < g; r++) { M[r] = -INFINITY; L[r] = 0.0f; }
-    memset(A, 0, sizeof(float) * g * dv);
-    float z[ROWS][BLOCK], kbuf[WIDEST], vbuf[WIDEST];
-    for (long t0 = c0; t0 < c1; t0 += BLOCK) {
-        int nb = c1 - t0 < BLOCK ? (int)(c1 - t0) : BLOCK;
-        for (int j = 0; j < nb; j++) {
-            long s = slots[t0 + j];
-            /* the rows AHEAD columns on fetched now: a lane's pages lie anywhere, and the
-               processor's prefetcher stops at each page's end */
-            if (t0 + j + AHEAD < c1) {
-                long f = slots[t0 + j + AHEAD];
-                ahead((const char *)a->k + (f * a->kst + h * a->khs) * width(kk), d, kk);
-                ahead((const char *)a->v + (f * a->vst + h * a->vhs) * width(vk), dv, vk);
-            }
-            const float *k = load(a->k, s * a->kst + h * a->khs, kk, d, kbuf);
-            if (kk >= I8) {
-                float sc = scale_at(a->ks, s * a->kss + h * a->kshs, a->kskind);
-                for (int r = 0; r < g; r++) z[r][j] = dot(q + r * d, k, d) * sc;
-            } else {
-                for (int r = 0; r < g; r++) z[r][j] = dot(q + r * d, k, d);
-            }
-        }
-        int bad = 0;
-        for (int r = 0; r < g; r++)
-            for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
-        if (bad) return 1;
-        for (int r = 0; r < g; r++) {
-            float top = largest(z[r], nb);
-            top = M[r] > top ? M[r] : top;
-            float base = top == -INFINITY ? 0.0f : top;
-            float fade = fexp(M[r] - base);  /* 0 where M is -inf: L and acc are 0 there */
-            for (int j = 0; j < nb; j++) z[r][j] = fexp(z[r][j] - base);
-            L[r] = L[r] * fade + sum(z[r], nb);
-            if (fade != 1.0f) for (int e = 0; e < dv; e++) A[r * dv + e] *= fade;
-            M[r] = top;
-        }
-        for (int j = 0; j < nb; j++) {
-            long s = slots[t0 + j];
-            const float *v = load(a->v, s * a->vst + h * a->vhs, vk, dv, vbuf);
-            float sc = vk >= I8 ? scale_at(a->vs, s * a->vss + h * a->vshs, a->vskind) : 1.0f;
-            for (int r = 0; r < g; r++) {
-                float w = z[r][j] * sc;
-                float *o = A + r * dv;
-                for (int e = 0; e < dv; e++) o[e] += w * v[e];
-            }
-        }
-    }
-    int bad = 0;
-    for (int i = 0; i < g * dv; i++) bad |= !is_finite(A[i]);
-    for (int r = 0; r < g; r++) bad |= !is_finite(L[r]);
-    return bad;
+    const source s = {  /* kv head h's rows and scales (a float pool's scale strides are 0) */
+        (const char *)a->k + h * a->khs * width(kk),
+        (const char *)a->ks + h * a->kshs * width(a->kskind),
+        (const char *)a->v + h * a->vhs * width(vk),
+        (const char *)a->vs + h * a->vshs * width(a->vskind),
+        a->kst, a->kss, a->vst, a->vss, kk, vk, a->kskind, a->vskind,
+        a->table + (long)b * a->table_stride };
+    return attend(&s, a->start[b], a->stop[b], a->q + at * a->g * d, a->g, d, dv, kk, vk,
+                  a->m + at * a->g, a->l + at * a->g, a->acc + at * a->g * dv);
 }
-
 
 /* one lane and kv head, its head dims and kinds made constants where they are the common
    ones (the loops then unroll and vectorise whole) */
