@@ -203,8 +203,9 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     """One layer's paged read by the kernel alone (see the module), on torch, one thread."""
     import torch
 
+    import cacheidx as ci
     from cacheidx import quantized
-    from cacheidx.attention import native
+    from cacheidx.attention import layout, native
 
     heads, g, d = 3, 3, 64
     rng = np.random.default_rng(0)
@@ -212,13 +213,17 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     start, stop = np.zeros(lanes, np.int64), np.full(lanes, context, np.int64)
     q = torch.as_tensor(rng.standard_normal((lanes, heads, g, d), dtype=np.float32)) / 8
     pools = []
-    for _ in range(2):  # head-major pools: each head's slots one after another
-        x = torch.as_tensor(rng.standard_normal((heads, n, d), dtype=np.float32))
+    for _ in range(2):  # head-major pools as the engine makes them (page-aligned memory)
+        x = torch.as_tensor(rng.standard_normal((n, heads, d), dtype=np.float32))
         if kv == "int8":
+            pool = quantized.zeros(n, heads, d, bits=8, xp="torch", layout="head")
             codes, scales = quantized.quantize(x, 8)
-            pools.append(quantized.Quantized(codes.permute(1, 0, 2), scales.permute(1, 0)))
+            pool.codes[...], pool.scales[...] = codes, scales
         else:
-            pools.append(x.permute(1, 0, 2))
+            xp = ci.backends.get("torch").xp
+            pool = layout.zeros(xp, n, heads, d, dtype=xp.float32, layout="head")
+            pool[...] = x
+        pools.append(pool)
     seconds = []
     for _ in range(calls + 1):
         c0 = time.process_time()

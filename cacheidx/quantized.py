@@ -146,20 +146,20 @@ def zeros(slots: int, kv_heads: int, dim: int, *, bits: int = 8, xp: Any = None,
         raise arguments.fail(fn, f"4-bit codes pack two to a byte: dim must be even, got {dim}")
     if layout not in ("token", "head"):
         raise arguments.fail(fn, f"layout must be 'token' or 'head', got {layout!r}")
-    xp = backends.get(xp).xp
+    backend = backends.get(xp)
+    xp, zeros = backend.xp, backend.zeros  # page-aligned on the host
     scale_dtype = xp.float32 if scale_dtype is None else scale_dtype
     if not xp.isdtype(scale_dtype, "real floating"):
         raise TypeError(f"cacheidx.{fn}: scale_dtype must be a real float dtype, got "
                         f"{scale_dtype}")
-    where = {} if device is None else {"device": device}
     code = xp.int8 if bits == 8 else xp.uint8
     w = dim if bits == 8 else dim // 2
     if layout == "token":
-        return Quantized(xp.zeros((slots, kv_heads, w), dtype=code, **where),
-                         xp.zeros((slots, kv_heads), dtype=scale_dtype, **where))
+        return Quantized(zeros((slots, kv_heads, w), code, device),
+                         zeros((slots, kv_heads), scale_dtype, device))
     return Quantized(
-        xp.permute_dims(xp.zeros((kv_heads, slots, w), dtype=code, **where), (1, 0, 2)),
-        xp.permute_dims(xp.zeros((kv_heads, slots), dtype=scale_dtype, **where), (1, 0)))
+        xp.permute_dims(zeros((kv_heads, slots, w), code, device), (1, 0, 2)),
+        xp.permute_dims(zeros((kv_heads, slots), scale_dtype, device), (1, 0)))
 
 
 def width(fn: str, bits: Any) -> int:

@@ -37,13 +37,14 @@ def zeros(xp: Any, slots: int, kv: int, dim: int, *, dtype: Any, device: Any = N
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"cacheidx.attention.layout.zeros: layout must be one of {LAYOUTS} "
                          f"or None, got {layout!r}")
-    where = {} if device is None else {"device": device}
+    from .. import backends
+
+    zeros = backends.get(xp).zeros  # the backend's pool memory (page-aligned on the host)
     if layout is None:  # asked of an empty pool on the same device, of the same dtype
-        layout = preferred(xp.zeros((0, int(kv), int(dim)), dtype=dtype, **where))
+        layout = preferred(zeros((0, int(kv), int(dim)), dtype, device))
     if layout == "token":
-        return xp.zeros((int(slots), int(kv), int(dim)), dtype=dtype, **where)
-    return xp.permute_dims(xp.zeros((int(kv), int(slots), int(dim)), dtype=dtype, **where),
-                           (1, 0, 2))
+        return zeros((int(slots), int(kv), int(dim)), dtype, device)
+    return xp.permute_dims(zeros((int(kv), int(slots), int(dim)), dtype, device), (1, 0, 2))
 
 
 def head_major(pool: Any) -> bool:

@@ -18,6 +18,7 @@ The adapter is composed of one part per concern (:mod:`cacheidx.backends.base`):
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 
 from ..laws import expand, inside
 from . import torch_rows
-from .arrays import StandardArrays, redirect_dropped
+from .arrays import PAGE_BYTES, StandardArrays, redirect_dropped
 from .base import Backend, Library, Node
 from .checking import HostChecking
 from .compiling import Eager
@@ -250,6 +251,19 @@ class TorchArrays(StandardArrays):
 
         return torch.compiler.is_compiling() or isinstance(
             x, torch._subclasses.fake_tensor.FakeTensor)
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
+        """Zeros whose first element starts a memory page on the CPU
+        (:meth:`StandardArrays.zeros`'s reason): a view into a page more of bytes; elsewhere
+        ``torch.zeros``."""
+        import torch
+
+        if device is not None and torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        whole = torch.zeros(n + PAGE_BYTES, dtype=torch.uint8)
+        at = -whole.data_ptr() % PAGE_BYTES
+        return whole[at:at + n].view(dtype).view(shape)
 
     def on_host(self, x: Any) -> bool:
         """A plain CPU tensor, not traced: its memory is the host's, read with no copy (eager
