@@ -181,3 +181,32 @@ def test_a_pickled_index_leaves_the_plans_it_keeps_for_the_next_layer_behind():
     assert back.plan.made == 0 and back.structure == ix.structure
     again, _ = back.extend(values, pool)
     assert np.array_equal(again, seen)
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_a_pool_on_the_host_starts_at_a_memory_page(name):
+    """``zeros`` (a pool's memory): on the host its first element starts a memory page, for
+    the float pools of ``layout.zeros`` in either order and a quantized pool's codes and scales
+    alike; zeros of the shape and dtype asked, which a store writes as any array."""
+    from cacheidx import quantized
+    from cacheidx.attention import layout
+    from cacheidx.attention.native.memory import memory
+    from cacheidx.backends.arrays import PAGE_BYTES
+
+    if name == "torch":
+        pytest.importorskip("torch")
+    be = ci.backends.get(name)
+    xp = be.xp
+    assert be.zeros((0, 3), xp.int8).shape == (0, 3)
+    made = [be.zeros((7, 3, 5), xp.float16)]
+    for order in ("token", "head"):
+        made.append(layout.zeros(xp, 33, 3, 64, dtype=xp.float32, layout=order))
+        q = quantized.zeros(33, 3, 64, bits=4, xp=name, layout=order)
+        made += [q.codes, q.scales]
+    assert made[0].shape == (7, 3, 5) and made[0].dtype == xp.float16
+    for x in made:
+        assert memory(x)[0] % PAGE_BYTES == 0, (x.shape, memory(x))
+        assert not bool(xp.any(x != 0))
+    pool = made[1]  # the token-major float pool
+    pool[1, 2, 3] = 1.5
+    assert float(xp.sum(pool)) == 1.5

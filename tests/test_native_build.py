@@ -205,3 +205,67 @@ def test_the_paged_operator_compiles_as_one_node_and_says_a_refusal():
     bad = (args[0].clone().index_fill_(0, torch.tensor([1]), float("nan")), *args[1:])
     m, l, acc, refused = torch.ops.cacheidx.paged(*bad)
     assert bool(refused) and not acc.any() and not l.any()
+
+
+def calls(seed: int = 0) -> list:
+    """The paged entry's and the runs' entry's outputs on random calls: float32, int8 and
+    int4 pools, runs of columns that end inside a vector's width, head dims of 64 and 40 (the
+    padded path)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind, d in (("float32", 64), ("int8", 64), ("int4", 64), ("float32", 40), ("int8", 40)):
+        lanes, kv, g, width = 3, 2, 3, 75
+        n = lanes * width
+        table = rng.permutation(n).reshape(lanes, width).astype(np.int64)
+        start = np.asarray([0, 5, 0], np.int64)
+        stop = np.asarray([75, 61, 17], np.int64)
+        q = torch.as_tensor(rng.standard_normal((lanes, kv, g, d), dtype=np.float32) / 8)
+        pools = []
+        for _ in range(2):
+            x = torch.as_tensor(rng.standard_normal((n, kv, d), dtype=np.float32))
+            if kind == "float32":
+                pools.append(x)
+            else:
+                bits = 8 if kind == "int8" else 4
+                pools.append(quantized.Quantized(*quantized.quantize(x, bits)))
+        got = native.paged(q, table, start, stop, *pools)
+        assert got is not None, kind
+        out += [t.numpy().copy() for t in got]
+        if kind != "float32":
+            k, v = ((p.codes[:40], p.scales[:40]) for p in pools)
+            got = native.states(q[0].reshape(kv, g, d), k, v)
+            assert got is not None, kind
+            out += [t.numpy().copy() for t in got]
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the kernel's clones are built for x86-64 Linux")
+def test_a_build_for_the_oldest_x86_64_gives_the_installed_kernels_bits(tmp_path, fresh):
+    """The same bits on every machine (``kernel.c``'s law): the kernel built for the baseline
+    x86-64 alone (SSE2: no AVX, no clones) gives exactly the installed build's outputs (the
+    clone this processor takes) on random paged and run calls."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    kernel_or_skip()
+    env = {**os.environ, "CFLAGS": "-march=x86-64 -DCACHEIDX_ONE_TARGET"}
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib",
+                           str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    installed = calls()
+    path = next((tmp_path / "lib").rglob("_kernel*"))
+    spec = importlib.util.spec_from_file_location("baseline._kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fresh.setitem(sys.modules, "baseline._kernel", module)
+    fresh.setattr(found, "MODULE", "baseline._kernel")
+    fresh.setattr(found, "_FOUND", [])
+    assert found.library() is module
+    baseline = calls()
+    assert len(baseline) == len(installed)
+    for a, b in zip(installed, baseline, strict=True):
+        assert a.tobytes() == b.tobytes()
