@@ -101,6 +101,8 @@ class Plan:
         "runs": "(n, shape of tiles...): each lane's runs of slots and the pieces its views read",
         "share": "(n, heads, tile): the lanes sharing a prefix and its width, JAX's static "
                  "argument",
+        "shared": "(n, heads): the lanes sharing a prefix and its width, that the tiles read "
+                  "once",
     }
 
     def part(self, kind: str, key: tuple, make: Callable[[], Any],

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 from .. import _arguments as arguments
 from .. import backends, pools, storage, validation
 from .. import plan as plans
-from . import runs, tiles
+from . import runs, shared, tiles
 from .paths import fast
 from .softmax import Online, reference, work_dtype
 
@@ -130,13 +130,20 @@ def stored(call: Call) -> Call:
 
 def standard(call: Call) -> Any:
     """The output of ``call`` (its pools holding its stores), tile by tile, on the array API
-    standard alone."""
+    standard alone; eagerly, a prefix lanes share read once for all of them
+    (:mod:`.shared`), each lane's tiles reading its columns past it."""
     index, q = call.index, call.q
     state = Online.start(index.backend.xp, q, call.keys_of, int(call.vpool.shape[-1]),
                          int(call.kpool.shape[1]), scale=call.scale, softcap=call.softcap,
                          host=index.backend.on_host(q))
-    for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.tile_width):
+    share = shared.groups(call)
+    offsets = shared.offsets(index.batch, share) if share else None
+    for t in tiles.read(index, call.k, call.v, call.kpool, call.vpool, call.tile_width,
+                        offsets):
         state.add(*t)
+    if share:
+        state.masked = True  # a lane may weigh none of its own columns, nor a prefix
+        state.merge(*shared.states(call, state.q, share))
     return state.result(call.sinks)
 
 

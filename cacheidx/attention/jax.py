@@ -23,7 +23,9 @@ groups are part of the program's key: one compile per kind of grouping, so a dec
 groups stay the same compiles once, and no sharing (``share`` empty, or within
 :func:`runs.unshared() <cacheidx.attention.runs.unshared>`) is the program without it. A
 traced call (a step the user compiles whole) has no values to find groups in: each lane reads
-its prefix as its own.
+its prefix as its own (the groups as a static argument of the user's program would make a
+program for every grouping, where one serves every value of positions and tables). Each eager
+call records the groups its program reads once (:func:`.shared.note`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .. import masks, pools
 from .. import plan as plans
 from ..laws import inside
 from . import runplan
+from .shared import carry, note
 from .softmax import Online
 
 __all__ = ["JaxPath", "sharing"]
@@ -54,9 +57,12 @@ class JaxPath:
         # a whole or packed index stores nothing: its pools' are the pools given (extend's
         # law), never the program's copies of them, and nothing is donated
         whole = index.kind != "tabled"
+        share = _share(call)
         out, kpool, vpool = _jitted(call.donate and not whole)(
             index, call.q, call.k, call.v, call.kpool, call.vpool, call.sinks, scale=call.scale,
-            softcap=call.softcap, tile=call.tile, share=_share(call))
+            softcap=call.softcap, tile=call.tile, share=share)
+        for lanes, width in share:  # the program reads each once (_prefixes; its tests trace it)
+            note(lanes, width)
         return (out, call.kpool, call.vpool) if whole else (out, kpool, vpool)
 
 
@@ -76,7 +82,8 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
     """The groups of lanes of the eager ``index`` whose shared prefix a call over pools of
     ``n`` slots with ``heads`` query heads reads once (runs' rules, :func:`runs.sharing
     <cacheidx.attention.runs.sharing>`'s groups without its views: holes and scattered pages
-    past the prefix do not matter to a gather): each group's lanes and its columns ``0:width``,
+    past the prefix, and a prefix of scattered pages, do not matter to a gather): each group's
+    lanes and its columns ``0:width``,
     empty where nothing is shared. The width is part of the program's key, so it is rounded
     down (:func:`rounded`): a prefix that differs by a few pages is the same program."""
     from . import SCORES
@@ -88,7 +95,7 @@ def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
         return ()  # as runs' plan: the host never holds a larger mask
     whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
     found = runplan.prefixes(table, masks.seen_by_some(on_host), whole, n, index.seq, heads,
-                             SCORES, tile)
+                             SCORES, tile, views=False)
     return tuple((g.lanes, rounded(g.width)) for g in found)
 
 
@@ -117,27 +124,7 @@ def _share(call: Any) -> Share:
                          lambda: sharing(index, n, heads, call.tile))
 
 
-def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
-    """The groups of ``nxt = index.advance()`` (over the same table, or one that keeps its
-    columns: :meth:`~cacheidx.plan.Plan.advanced` makes sure) from ``index``'s, where they
-    follow: a decode step after a decode step (one token a lane, no window, positions not
-    blocks), every lane of a group still past its prefix. Each group then holds as it was: its
-    lanes name the same slots at its columns, and each lane's one token sees every column below
-    it. A lane that joins none stays out (it reads its prefix as its own, the law the same).
-    ``None`` (found anew) wherever that is not so."""
-    if (index.seq != 1 or nxt.seq != 1 or index.block != 1 or index.window_size is not None
-            or index.columns is not None):
-        return None
-    if not share:
-        return share
-    on_host = plans.host(nxt)
-    pos, valid = on_host.pos[:, 0], masks.valid(on_host)[:, 0]
-    if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
-        return share
-    return None
-
-
-plans.CARRY["share"] = carry
+plans.CARRY["share"] = carry  # the groups follow as the tiles' do
 
 
 def _reader(index: Any) -> Any:

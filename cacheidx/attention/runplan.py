@@ -242,12 +242,15 @@ def _gather(pieces: list[Piece], short: set[int], most: int) -> list[Piece | Gat
 
 
 def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: int, seq: int,
-             heads: int, scores: int, tile: int | None) -> list[Group]:
+             heads: int, scores: int, tile: int | None, *, views: bool = True) -> list[Group]:
     """The groups of lanes that share a prefix (:class:`Group`): lanes whose first columns
     name the same slot, and of them the columns from 0 at which all name the same slots inside
     the pool and every query of each sees the column; a group holding at least :data:`SHARED`
     such columns and two lanes. A call of one block of queries a lane (a decode step, a short
-    chunk: at most :data:`ROWS` tokens) whose whole mask the host holds; none otherwise."""
+    chunk: at most :data:`ROWS` tokens) whose whole mask the host holds; none otherwise.
+    ``views``: the prefix is read as views of its runs, so one of scattered pages (at least
+    :data:`MOST_RUNS` runs) is no group; a reader that gathers (the tiles, JAX's program)
+    passes False and reads it once all the same."""
     if whole is None or seq > ROWS or table.shape[1] < SHARED:
         return []
     seen = whole.all(axis=1) & some & inside(table, n)  # [batch, width]: all a lane's see it
@@ -264,8 +267,8 @@ def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: i
             continue
         slots = table[lanes[0], :width]
         breaks: np.ndarray = np.flatnonzero(np.diff(slots) != 1) + 1
-        if breaks.size >= MOST_RUNS:
-            continue  # a prefix of scattered pages: each lane's tiles read it
+        if views and breaks.size >= MOST_RUNS:
+            continue  # a prefix of scattered pages: a view of each would cost a product
         size = tile or max(16, scores // (len(lanes) * seq * heads))
         pieces = [Piece(c0 + p0, c0 + p1, int(slots[c0]) + p0, True)
                   for c0, c1 in zip(np.r_[0, breaks].astype(int), np.r_[breaks, width].astype(int))

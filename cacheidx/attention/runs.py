@@ -26,10 +26,11 @@ one tile for all of them where each holds at most :data:`~.runplan.OWN`. The law
 own; only the order of the sums changes. A lane whose window starts inside the prefix, a
 padding lane and a call of more than :data:`~.runplan.ROWS` tokens a lane (a long prefill)
 read their columns as their own; a prefix with a hole is read by the tiles, as every call with
-a hole is. The standard's tiles do not share (each lane reads its columns; the law holds the
-same); torch's compiled operator runs this code, so it does, and JAX's eager program reads
-once the groups :func:`prefixes` finds (:func:`cacheidx.attention.jax.sharing`); a step the
-user compiles whole has no values to find them in.
+a hole is, and the tiles read a shared prefix once too (:mod:`.shared`: up to the hole, and a
+prefix of scattered pages or a draft's); torch's compiled operator runs this code, so it does,
+and JAX's eager program reads once the groups :func:`prefixes` finds
+(:func:`cacheidx.attention.jax.sharing`); a step the user compiles whole has no values to find
+them in. Each path records the prefixes it reads once (:func:`.shared.note`).
 
 A lane's short runs (the pages of its own a paged table scatters) but the last are gathered
 into one tile, read through the backend's read plan: a view of each would cost a product per
@@ -66,6 +67,7 @@ from .runplan import (
     shares,
     unshared,
 )
+from .shared import note
 from .softmax import Online, group, ungroup
 from .tiles import rows
 
@@ -215,6 +217,7 @@ def _shared(call: Any, group: Group, grouped: Any, dv: int, interleaved: bool,
     state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products,
                    host=_in_host_memory(call))
     _fold(call, state, q, 0, seq, list(group.pieces), None, {}, interleaved)
+    note(group.lanes, group.width)
     split = [xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1])))
              for x in (state.m, state.l, state.acc)]
     return [tuple(x[None, :, i, ...] for x in split) for i in range(lanes)]

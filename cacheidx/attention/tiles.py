@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .. import masks, pools, storage
 from .. import plan as plans
 from ..laws import inside
@@ -46,15 +48,19 @@ class _Plan(NamedTuple):
     full: bool  #: every token sees every column (always False when traced)
 
 
-def read(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
+def read(index: Any, k: Any, v: Any, kpool: Any, vpool: Any, size: int,
+         offsets: tuple[int, ...] | None = None) -> Iterator[Tile]:
     """The tiles of ``size`` columns of a call through ``index`` whose keys and values are
-    ``k`` and ``v`` and whose pools (after its stores) are ``kpool`` and ``vpool``."""
+    ``k`` and ``v`` and whose pools (after its stores) are ``kpool`` and ``vpool``.
+    ``offsets`` (a table's, eager): each lane's first column, its columns before it read
+    elsewhere (a prefix its group reads once: :mod:`.shared`); a tile then holds each lane's
+    columns from its own offset, and masks out those past the table."""
     if index.kind != "tabled":
         yield from _whole(index, k, v, size)
     elif index.columns is not None:
         yield from _selected(index, kpool, vpool, size)
     else:
-        yield from _table(index, kpool, vpool, size)
+        yield from _table(index, kpool, vpool, size, offsets)
         if index.draft_slots is not None:
             yield draft(index, k, v)
 
@@ -99,10 +105,13 @@ def _plans(index: Any, key: tuple, pools: tuple[Any, Any], make: Any,
             for p in pools]
 
 
-def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
-    """Columns of the table (of blocks under ``every``), shared by a lane's tokens."""
+def _table(index: Any, kpool: Any, vpool: Any, size: int,
+           offsets: tuple[int, ...] | None = None) -> Iterator[Tile]:
+    """Columns of the table (of blocks under ``every``), shared by a lane's tokens; with
+    ``offsets``, each lane's from its own first column."""
     draft = index.draft_slots is not None
     found: dict[str, Any] = {}  # the lane table and the zeroing law, made once if needed
+    width = int(masks.columns_table(index).shape[1])
 
     def lanes() -> tuple[Any, Any]:
         if not found:
@@ -110,20 +119,36 @@ def _table(index: Any, kpool: Any, vpool: Any, size: int) -> Iterator[Tile]:
             found["some"] = masks.seen_by_some(index)
         return found["table"], found["some"]
 
-    for c0, c1 in _spans(int(masks.columns_table(index).shape[1]), size):
+    def columns(of: Any, c0: int, c1: int) -> Any:
+        """The tile's columns ``[1, T]``, or each lane's from its offset ``[batch, T]``."""
+        j = masks.arange(of, c1 - c0)[None, :] + c0
+        if offsets is None:
+            return j
+        on = of.backend
+        return j + on.from_host(np.asarray(offsets), j.dtype, on.device(of.pos))[:, None]
+
+    for c0, c1 in _spans(width - min(offsets or (0,)), size):
 
         def mask(c0: int = c0, c1: int = c1, of: Any = index) -> Any:
-            j = masks.arange(of, c1 - c0)[None, None, :] + c0
-            return masks.draft_sees_table(of, j) if draft else masks.sees_columns(of, j)
+            j = columns(of, c0, c1)[:, None, :]
+            seen = masks.draft_sees_table(of, j) if draft else masks.sees_columns(of, j)
+            return seen if offsets is None else seen & (j < width)
 
         def make(c0: int = c0, c1: int = c1) -> tuple[Any, Any, Any]:
             table, some = lanes()
-            return table[:, c0:c1], some[:, c0:c1], None
+            if offsets is None:
+                return table[:, c0:c1], some[:, c0:c1], None
+            xp, j = index.backend.xp, columns(index, c0, c1)
+            there = j < width
+            at = xp.where(there, j, xp.zeros((), dtype=j.dtype))
+            return (xp.take_along_axis(table, at, axis=1),
+                    xp.take_along_axis(some, at, axis=1) & there, None)
 
         def seen(host: Any, mask: Any = mask) -> Any:
             return mask(of=host)
 
-        k_plan, v_plan = _plans(index, ("attend", c0, c1), (kpool, vpool), make, seen)
+        key = ("attend", c0, c1) if offsets is None else ("attend", c0, c1, offsets)
+        k_plan, v_plan = _plans(index, key, (kpool, vpool), make, seen)
         if k_plan.live:
             yield Tile(_rows(index, kpool, k_plan), _rows(index, vpool, v_plan),
                        None if k_plan.full else mask())

@@ -1,0 +1,185 @@
+"""Shared prefixes read once where the standard's tiles read an eager call, and the record of
+every prefix read once, on every path (attention's law 2 all the same: only the order of the
+sums changes).
+
+Where the runs do not read an eager call (a hole, scattered pages, a draft, pools of two
+sizes: :mod:`.runs`), the tiles still read a prefix several lanes share once for all of them:
+the host finds the groups by the runs' rules (:func:`~.runplan.prefixes`: lanes whose tables
+name the same slots from column 0, every query of each seeing every one of those columns; as
+a gather, a prefix of scattered pages too), and each group's prefix is read a tile at a time
+against all its lanes' queries stacked as one lane's heads (Hydragen's and FlashInfer's
+cascade). Each lane's state over its prefix is merged into the state over its own columns
+(:meth:`~.softmax.Online.merge`, exact), which the tiles read from its group's width on
+(:func:`.tiles.read`'s ``offsets``). The groups are part of the index's plan, found once for
+every layer.
+
+Traced (a compiled step's standard tiles: torch under autograd or on a GPU, JAX's selections,
+a step the user jits whole) there are no values to find groups in: each lane reads its prefix
+as its own, the law the same.
+
+Every path that reads a prefix once for the lanes sharing it says so (:func:`note`): the runs'
+views, JAX's eager program and the tiles here. Within :func:`counted` the prefixes read are
+recorded, as ``(lanes, width)``: what the conformance law and the tests count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .. import masks
+from .. import plan as plans
+from . import runplan
+from .softmax import Online
+from .tiles import rows
+
+__all__ = ["carry", "counted", "groups", "note", "offsets", "prefix", "states"]
+
+#: groups of lanes sharing a prefix: ``((lanes, width), ...)``
+Share = tuple[tuple[tuple[int, ...], int], ...]
+
+_COUNTING = threading.local()  # this thread's open records, innermost last
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[list[tuple[tuple[int, ...], int]]]:
+    """Within it (in this thread), every prefix a call reads once for the lanes sharing it,
+    appended to the list it yields as ``(lanes, width)``, one entry a read."""
+    record: list[tuple[tuple[int, ...], int]] = []
+    stack = _COUNTING.__dict__.setdefault("stack", [])
+    stack.append(record)
+    try:
+        yield record
+    finally:
+        stack.remove(record)
+
+
+def note(lanes: tuple[int, ...], width: int) -> None:
+    """A path read the prefix ``0:width`` of ``lanes`` once for all of them: recorded in
+    every open :func:`counted` of this thread."""
+    for record in getattr(_COUNTING, "stack", ()):
+        record.append((tuple(int(b) for b in lanes), int(width)))
+
+
+def groups(call: Any) -> Share:
+    """The groups whose prefix the tiles read once for the eager ``call`` (its pools of one
+    size): each group's lanes and its columns ``0:width``, kept by the index's plan. None for
+    a traced call, within ``runs.unshared()``, for a selection or a whole index, or a call of
+    more than :data:`~.runplan.ROWS` tokens a lane (a long prefill: as the runs')."""
+    index, kpool, vpool = call.index, call.kpool, call.vpool
+    n = int(kpool.shape[0])
+    if (index.backend.tracing(index.pos) or not runplan.shares() or index.kind != "tabled"
+            or index.columns is not None or int(vpool.shape[0]) != n
+            or index.seq > runplan.ROWS):
+        return ()
+    heads = int(call.q.shape[2])
+    return plans.planned(index, "shared", (n, heads), lambda: _find(index, n, heads))
+
+
+def _find(index: Any, n: int, heads: int) -> Share:
+    """:func:`groups`' work, on the host's values (nothing read from the device)."""
+    from . import SCORES
+
+    on_host = plans.host(index)
+    table = masks.lane_table(on_host)
+    width = int(table.shape[1])
+    if index.batch * index.seq * width > runplan.WHOLE:
+        return ()  # as the runs' plan: the host never holds a larger mask
+    whole = on_host.mask()[:, :, :width]  # the table's columns (a draft's own come after)
+    found = runplan.prefixes(table, masks.seen_by_some(on_host), whole, n, index.seq, heads,
+                             SCORES, None, views=False)
+    return tuple((g.lanes, g.width) for g in found)
+
+
+def offsets(batch: int, share: Share) -> tuple[int, ...]:
+    """Each lane's first column of its own: its group's width, 0 for a lane sharing none."""
+    off = [0] * batch
+    for lanes, width in share:
+        for b in lanes:
+            off[b] = width
+    return tuple(off)
+
+
+def states(call: Any, q: Any, share: Share) -> tuple[Any, Any, Any]:
+    """Every lane's state ``(m, l, acc)`` over its shared prefix, ``[batch, kv, g, seq, ...]``
+    (``q``: the call's queries grouped, :func:`~.softmax.group`), each group's read once
+    (:func:`prefix`); a lane sharing none gets the state of no column (``-inf``, 0, 0), which
+    a merge under a mask leaves as it was."""
+    index = call.index
+    xp, backend = index.backend.xp, index.backend
+    batch, kv, g, seq, _ = q.shape
+    dv = int(call.vpool.shape[-1])
+    none = (xp.full((1, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
+            xp.zeros((1, kv, g, seq, 1), dtype=q.dtype),
+            xp.zeros((1, kv, g, seq, dv), dtype=q.dtype))
+    parts, where, at = [none], [0] * batch, 1  # lane b's state: row where[b] of the parts
+    for lanes, width in share:
+        parts.append(prefix(call, q, lanes, width))
+        for b in lanes:
+            where[b], at = at, at + 1
+    taken = backend.from_host(np.asarray(where), index.pos.dtype, backend.device(index.pos))
+    return tuple(xp.take(xp.concat([p[k] for p in parts], axis=0), taken, axis=0)
+                 for k in range(3))
+
+
+def prefix(call: Any, q: Any, lanes: tuple[int, ...], width: int) -> tuple[Any, Any, Any]:
+    """The states ``(m, l, acc)`` ``[len(lanes), kv, g, seq, ...]`` of ``lanes`` over their
+    shared columns ``0:width``, read once: their queries ``q`` (grouped) stacked as one lane's
+    heads, ``[1, kv, lanes x g, seq, d]``, each tile's keys and values ``[1, T, ...]`` through
+    a read plan the index keeps, with no mask (every query sees every column)."""
+    from . import tile_size
+
+    index = call.index
+    xp, backend = index.backend.xp, index.backend
+    _, kv, g, seq, d = q.shape
+    count = len(lanes)
+    stacked = xp.concat([q[b:b + 1, ...] for b in lanes], axis=0)
+    stacked = xp.reshape(xp.permute_dims(stacked, (1, 0, 2, 3, 4)), (1, kv, count * g, seq, d))
+    state = Online(xp, "lane", stacked, int(call.vpool.shape[-1]), call.softcap, call.q.dtype,
+                   host=backend.on_host(call.q))
+    slots = plans.host(index)
+    slots = masks.lane_table(slots)[lanes[0], :width]
+    size = min(call.tile or tile_size(1, seq, count * kv * g), width)
+    device = backend.device(index.pos)
+    for c0 in range(0, width, size):
+        c1 = min(width, c0 + size)
+        shape = (1, c1 - c0)
+        reads = [plans.planned(index, "tile", ("prefix", lanes, c0, c1, int(pool.shape[0])),
+                               lambda pool=pool, c0=c0, c1=c1: backend.read_plan(
+                                   backend.from_host(slots[c0:c1], index.pos.dtype, device),
+                                   backend.from_host(np.ones(c1 - c0, bool), xp.bool, device),
+                                   int(pool.shape[0])))
+                 for pool in (call.kpool, call.vpool)]
+        state.add(rows(index, call.kpool, reads[0], shape),
+                  rows(index, call.vpool, reads[1], shape), None)
+    note(lanes, width)
+    return tuple(xp.permute_dims(xp.reshape(x, (kv, count, g, seq, int(x.shape[-1]))),
+                                 (1, 0, 2, 3, 4)) for x in (state.m, state.l, state.acc))
+
+
+def carry(index: Any, nxt: Any, key: tuple, share: Share) -> Share | None:
+    """The groups of ``nxt = index.advance()`` (over the same table, or one that keeps its
+    columns: :meth:`~cacheidx.plan.Plan.advanced` makes sure) from ``index``'s, where they
+    follow: a decode step after a decode step (one token a lane, no window, positions not
+    blocks), every lane of a group still past its prefix. Each group then holds as it was: its
+    lanes name the same slots at its columns, and each lane's one token sees every column below
+    it. A lane that joins none stays out (it reads its prefix as its own, the law the same).
+    ``None`` (found anew) wherever that is not so. The tiles' groups and JAX's program's
+    (:mod:`.jax`) follow alike."""
+    if (index.seq != 1 or nxt.seq != 1 or index.block != 1 or index.window_size is not None
+            or index.columns is not None):
+        return None
+    if not share:
+        return share
+    on_host = plans.host(nxt)
+    pos, valid = on_host.pos[:, 0], masks.valid(on_host)[:, 0]
+    if all(valid[b] and pos[b] >= width for lanes, width in share for b in lanes):
+        return share
+    return None
+
+
+plans.CARRY["shared"] = carry
