@@ -1,9 +1,11 @@
-"""Lanes sharing a prefix read it once (cacheidx.attention.runs), and nothing a user sees changes:
-the engine's tokens and transformers' families' tokens are the same with shared reads and
-without (``runs.unshared()``), and the shared reads did happen.
+"""Lanes sharing a prefix read it once (the runs' views, JAX's program, the tiles:
+cacheidx.attention.shared), and nothing a user sees changes: the engine's tokens and
+transformers' families' tokens are the same with shared reads and without
+(``runs.unshared()``), and the shared reads did happen.
 
 The conformance suite checks the law itself (``lanes_sharing_a_prefix_read_it_once_...``: the
-groups the plan finds and the output against the reference); here, the users' paths.
+prefixes each path reads once, counted, and the output against the reference); here, the
+users' paths, and each path's reads where the law's cases do not reach them.
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ def jax_cases() -> dict:
         "a draft": ([[88, 89], [88, 89], [90, 91]], one, True, (((0, 1, 2), 80),)),
         "the whole table shared": ([[80], [81]], [pages(0, 1, 2, 3, 4)] * 2, False,
                                    (((0, 1), 80),)),
+        # a prefix of 18 pages in reverse order (too scattered for the runs' views): a gather
+        # reads it once all the same, its 288 columns rounded down to 256
+        "a scattered prefix": ([[290], [291], [295]],
+                               [pages(*range(17, -1, -1), 20 + b) for b in range(3)], False,
+                               (((0, 1, 2), 256),)),
         # 144 shared columns are rounded down to 128 (the program's key): each lane reads the
         # last 16 as its own
         "a prefix rounded down": ([[150], [151], [152]],
@@ -270,16 +277,18 @@ def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):
 
 # -- runs.sharing names what the runs read once --------------------------------------------------
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_sharing_names_the_prefixes_a_call_reads_once_and_a_draft_reads_none(backend,
-                                                                              shared_reads):
+def test_sharing_names_what_the_runs_read_once_and_the_tiles_read_a_drafts_prefix_once(
+        backend, shared_reads):
     """Three lanes under one 80-column prefix: as a chunk of two tokens a lane, runs.sharing
-    names the group and attend reads its prefix once; as a draft of those tokens (whose own
-    columns the tiles read), under a selection and on a whole or packed index it names none
-    and attend reads none once. (It raised NumPy's broadcast error on a draft.)"""
+    names the group and the runs read its prefix once; as a draft of those tokens (whose own
+    columns the tiles read) it names none, and the tiles read the prefix once; under a
+    selection and on a whole or packed index nothing is read once. (runs.sharing raised
+    NumPy's broadcast error on a draft.)"""
     import numpy as np
 
     import cacheidx as ci
     from cacheidx import backends
+    from cacheidx.attention import shared
 
     on = backends.get(backend)
     pos, table, _, _ = jax_cases()["a draft"]  # JAX's program reads its prefix once
@@ -300,16 +309,98 @@ def test_sharing_names_the_prefixes_a_call_reads_once_and_a_draft_reads_none(bac
         draw = [rng.standard_normal(s).astype(np.float32) for s in (
             (ix.batch, ix.seq, HEADS, DIM), (ix.batch, ix.seq, KV, DIM),
             (ix.batch, ix.seq, KV, DIM), (n, KV, DIM), (n, KV, DIM))]
-        ix.attend(*(arr(a, on.xp.float32) for a in draw))
+        with shared.counted() as reads:
+            ix.attend(*(arr(a, on.xp.float32) for a in draw))
+        return reads
 
-    for what, ix, want in (("a chunk", chunk, [((0, 1, 2), 80)]), ("a draft", drafted, []),
-                           ("a selection", selected, []),
-                           ("whole", ci.whole(3, 2, xp=backend), []),
-                           ("packed", ci.packed(2, [[1, 1], [2], [2]], xp=backend), [])):
-        assert runs.sharing(ix, n, HEADS) == want, what
+    group = [((0, 1, 2), 80)]
+    for what, ix, names, read in (("a chunk", chunk, group, group),
+                                  ("a draft", drafted, [], group),
+                                  ("a selection", selected, [], []),
+                                  ("whole", ci.whole(3, 2, xp=backend), [], []),
+                                  ("packed", ci.packed(2, [[1, 1], [2], [2]], xp=backend), [],
+                                   [])):
+        assert runs.sharing(ix, n, HEADS) == names, what
         before = len(shared_reads)
-        attend(ix)
-        assert len(shared_reads) - before == len(want), f"{what}: prefixes read once"
+        assert attend(ix) == read, f"{what}: prefixes read once"
+        assert len(shared_reads) - before == len(names), f"{what}: the runs' reads"
+
+
+# -- the tiles read a shared prefix once -----------------------------------------------------------
+def tiles_cases() -> dict:
+    """``(pos, table, draft)`` the runs leave to the tiles, and the groups the tiles read once:
+    a hole at column 70 (where the prefix ends), a draft, a prefix of 18 pages in reverse order
+    (too scattered for views), two groups and a lane alone past a hole of its own."""
+    holed = [pages(0, 1, 2, 3, 4, 5 + b) for b in range(3)]
+    for row in holed:
+        row[70] = -1
+    scattered = [pages(*range(17, -1, -1), 20 + b) for b in range(3)]
+    two = [r[:] for r in jax_cases()["two groups and a lane alone"][1]]
+    two[4][90] = -1  # the lane alone's hole: the runs leave the call to the tiles
+    return {
+        "a hole": ([[85], [86], [90]], holed, False, [((0, 1, 2), 70)]),
+        "a draft": ([[88, 89], [88, 89], [90, 91]], jax_cases()["a draft"][1], True,
+                    [((0, 1, 2), 80)]),
+        "scattered pages": ([[290, 291], [290, 291], [294, 295]], scattered, False,
+                            [((0, 1, 2), 288)]),
+        "two groups": ([[85], [86], [87], [88], [92]], two, False,
+                       [((0, 1), 80), ((2, 3), 80)]),
+    }
+
+
+@pytest.mark.parametrize("capped", [False, True])
+@pytest.mark.parametrize("what", list(tiles_cases()))
+@pytest.mark.parametrize("backend", ["numpy", "strict", "torch"])
+def test_the_tiles_read_a_shared_prefix_once_and_attend_as_without(backend, what, capped,
+                                                                   monkeypatch):
+    """Calls the runs decline (a hole, a draft, scattered pages): the standard's tiles read each
+    group's prefix once (``shared.prefix`` called once a group, and never within
+    ``runs.unshared()``), each lane's own tiles from its group's width on, and the output is
+    the unshared call's, its pools bit for bit. ``capped``: a softcap and sinks, and
+    ``tile=24`` (an 80-column prefix in three tiles and a rest of 8)."""
+    import numpy as np
+
+    import cacheidx as ci
+    from cacheidx import backends
+    from cacheidx.attention import shared
+
+    on = backends.get(backend)
+    read, real = [], shared.prefix
+    monkeypatch.setattr(shared, "prefix", lambda call, q, lanes, width: read.append(
+        (lanes, width)) or real(call, q, lanes, width))
+    pos, table, drafted, groups = tiles_cases()[what]
+    n = max(max(row) for row in table) + 1
+
+    def arr(a, dtype=None):
+        a = np.asarray(a)
+        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
+                            None)
+
+    ix = ci.make(arr(pos), arr(table))
+    if drafted:
+        slots = np.asarray(table)[np.arange(len(pos))[:, None], np.asarray(pos)]
+        ix = ix.draft(arr(slots), arr(np.tril(np.ones((len(pos), 2, 2), bool))))
+    rng = np.random.default_rng(len(what))
+    arrays = [arr(rng.standard_normal(s).astype(np.float32), on.xp.float32) for s in (
+        (ix.batch, ix.seq, HEADS, DIM), (ix.batch, ix.seq, KV, DIM),
+        (ix.batch, ix.seq, KV, DIM), (n, KV, DIM), (n, KV, DIM))]
+    options = {} if not capped else {
+        "tile": 24, "softcap": 2.5,
+        "sinks": arr(np.array([0.5, -1.0, 2.0, 0.0], np.float32), on.xp.float32)}
+    assert runs.sharing(ix, n, HEADS) == [], f"{what}: the runs read it"
+    got = ix.attend(*arrays, **options)
+    assert read == groups, f"{what}: the tiles read {read} once, want {groups}"
+    with runs.unshared():
+        alone = ix.attend(*arrays, **options)
+    assert read == groups, "runs.unshared() still shared"
+
+    def host(x):
+        return np.asarray(x.detach() if hasattr(x, "detach") else np.from_dlpack(x))
+
+    np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5,
+                               err_msg=f"{what}: the output")
+    for a, b in zip(got[1:], alone[1:]):
+        assert np.array_equal(host(a), host(b)), f"{what}: a pool"
 
 
 def test_sharing_of_a_traced_index_raises_naming_the_function():
