@@ -416,3 +416,43 @@ def test_sharing_of_a_traced_index_raises_naming_the_function():
                                          r"traced"):
         jax.jit(lambda p, t: runs.sharing(ci.make(p, t), 16 * PAGE, HEADS) and p)(
             jnp.asarray(pos, dtype=jnp.int32), jnp.asarray(table, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_the_tiles_read_a_quantized_prefix_once_as_without(backend, bits):
+    """Quantized pools through the tiles (two groups past a hole): each group's codes and
+    scales read once, the output the unshared call's, the pools' codes and scales bit for
+    bit."""
+    import numpy as np
+
+    import cacheidx as ci
+    from cacheidx import backends, quantized
+    from cacheidx.attention import shared
+
+    on = backends.get(backend)
+    pos, table, _, groups = tiles_cases()["two groups"]
+    n = max(max(row) for row in table) + 1
+    rng = np.random.default_rng(bits)
+
+    def arr(a, dtype):
+        return on.from_host(np.asarray(a), dtype, None)
+
+    ix = ci.make(arr(pos, on.xp.int64), arr(table, on.xp.int64))
+    q, k, v, kpool, vpool = (arr(rng.standard_normal(s).astype(np.float32), on.xp.float32)
+                             for s in ((5, 1, HEADS, DIM), (5, 1, KV, DIM), (5, 1, KV, DIM),
+                                       (n, KV, DIM), (n, KV, DIM)))
+    kpool, vpool = (quantized.Quantized(*quantized.quantize(p, bits)) for p in (kpool, vpool))
+    with shared.counted() as reads:
+        got = ix.attend(q, k, v, kpool, vpool, tile=24)
+    with runs.unshared(), shared.counted() as none:
+        alone = ix.attend(q, k, v, kpool, vpool, tile=24)
+    assert reads == groups and none == [], f"read once {reads}, unshared {none}"
+
+    def host(x):
+        return np.asarray(x.detach() if hasattr(x, "detach") else x)
+
+    np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1:], alone[1:]):
+        for x, y in zip(quantized.parts(a), quantized.parts(b)):
+            assert np.array_equal(host(x), host(y)), "a pool's codes or scales"
