@@ -9,9 +9,11 @@ random order from one pool, as an allocator leaves them after a while of serving
 forward of one token per lane and its argmax under ``torch.inference_mode()``, the index
 ``advance()``d each step; one thread unless stated; the rate is the lanes over the median step,
 with the fastest and slowest. Every engine decodes the same tokens as transformers' static
-cache (float32: checked; int8's codes may move a token, which is said). The floor is the bytes
+cache (float32: checked; int8's codes may move a token, which is said). Two floors: the bytes
 a step must read (the weights and every lane's keys and values, codes and scales for int8) over
-the machine's measured one-thread bandwidth. Beside each step's wall time stands its CPU time
+the machine's measured one-thread bandwidth, and the step's products (each weight matrix once a
+lane, attention's two products over every lane's context) at the one-thread rate of torch's
+float32 matrix product. Beside each step's wall time stands its CPU time
 (the process's, all its threads): on a loaded machine a step's wall time also counts the time
 other processes held the cores, its CPU time only its own, so the CPU ratio is the steadier one
 there (at 1 thread; at 2 it is the cores' time the step cost).
@@ -137,13 +139,36 @@ def caches(config, lanes: int, context: int, seed: int = 1):
     return layers, rng.integers(0, config.vocab, lanes)
 
 
+def flop_rate() -> float:
+    """Floating-point operations a second one thread does here: the best of a few float32
+    products of 1024-square matrices (torch's, one thread: the rate its BLAS reaches)."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    best = min(lc._time(lambda: a @ b) for _ in range(5))
+    return 2 * 1024 ** 3 / best
+
+
+def step_flops(config, params, lanes: int, context: int) -> float:
+    """A decode step's products: every weight matrix once per lane (two operations an element),
+    and attention's two products over each lane's context at every query head and layer."""
+    from cacheidx.models import llama
+
+    matrices = []
+    llama.tree_map(lambda a: matrices.append(a.size if a.ndim == 2 else 0), params)
+    attention = 4 * lanes * context * config.heads * config.head_dim * config.layers
+    return 2 * lanes * sum(matrices) + attention
+
+
 def row_bytes(config, kv: str) -> int:
     """Bytes one token's keys and values cost over every layer (int8: codes and scales)."""
     per = config.kv_heads * (config.head_dim * 4 if kv == "float32" else config.head_dim + 4)
     return 2 * config.layers * per
 
 
-def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> list[dict]:
+def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads,
+             flops_s: float) -> list[dict]:
     import torch
 
     layers, first = caches(config, lanes, context)
@@ -156,6 +181,7 @@ def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> 
             engines += [("cacheidx paged kernel", kv, True, t) for t in threads if t != 1]
     for engine, kv, kernel, t in engines:
         floor = (wbytes + row_bytes(config, kv) * lanes * context) / bw
+        flop_floor = step_flops(config, params, lanes, context) / flops_s
         torch.set_num_threads(t)
         t0 = time.perf_counter()
         try:
@@ -172,7 +198,8 @@ def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> 
                     "threads": t, "tokens_per_s": lanes / med, "step_ms": 1e3 * med,
                     "cpu_ms": 1e3 * cpu,
                     "fastest_ms": 1e3 * min(seconds), "slowest_ms": 1e3 * max(seconds),
-                    "floor_ms": 1e3 * floor, "same_tokens": toks == ref,
+                    "floor_ms": 1e3 * floor, "flop_floor_ms": 1e3 * flop_floor,
+                    "same_tokens": toks == ref,
                     "wall_s": time.perf_counter() - t0})
         say(f"{engine} {kv} x{t} thread(s), {lanes} lanes x {context}: {lanes / med:.1f} "
             f"tokens/s (step {1e3 * med:.1f} ms, {1e3 * min(seconds):.1f} to "
@@ -180,22 +207,25 @@ def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads) -> 
     return out
 
 
-def report(rows: list[dict], bw: float, steps: int) -> None:
+def report(rows: list[dict], bw: float, steps: int, flops_s: float) -> None:
     print(f"Decode over paged pools (pages of {PAGE}, shuffled), SmolLM2-135M's shape cut to 2 "
-          f"layers, nothing shared, {steps} steps after one to warm up; the floor reads the "
-          f"weights and every lane's keys and values ({bw / 1e9:.1f} GB/s).\n")
+          f"layers, nothing shared, {steps} steps after one to warm up; the bytes floor reads the "
+          f"weights and every lane's keys and values ({bw / 1e9:.1f} GB/s), the FLOPs floor "
+          f"does the step's products at the one-thread rate ({flops_s / 1e9:.1f} GFLOP/s); "
+          f"floor / step is the larger floor's.\n")
     print("| lanes | context | engine | pools | threads | tokens/s | vs transformers static "
-          "| step ms (fastest-slowest) | CPU ms a step | vs static (CPU) | floor ms "
-          "| floor / step | same tokens |")
-    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|")
+          "| step ms (fastest-slowest) | CPU ms a step | vs static (CPU) | bytes floor ms "
+          "| FLOPs floor ms | floor / step | same tokens |")
+    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         base = next(x for x in rows if x["engine"] == "transformers static"
                     and x["lanes"] == r["lanes"] and x["context"] == r["context"])
+        floor = max(r["floor_ms"], r["flop_floor_ms"])
         print(f"| {r['lanes']} | {r['context']} | {r['engine']} | {r['kv']} | {r['threads']} "
               f"| {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
               f"| {r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
               f"| {r['cpu_ms']:.1f} | {base['cpu_ms'] / r['cpu_ms']:.2f}x "
-              f"| {r['floor_ms']:.1f} | {r['floor_ms'] / r['step_ms']:.2f} "
+              f"| {r['floor_ms']:.1f} | {r['flop_floor_ms']:.1f} | {floor / r['step_ms']:.2f} "
               f"| {'yes' if r['same_tokens'] else 'no'} |")
 
 
@@ -258,17 +288,18 @@ def main(argv=None) -> int:
                           f"({r['fastest_ms']:.1f}) | {r['gb_per_s']:.2f} |", flush=True)
         return 0
     lc.timed_steps = timed_on_cpu
-    bw = lc.bandwidth()
-    say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
+    bw, flops_s = lc.bandwidth(), flop_rate()
+    say(f"one-thread read speed {bw / 1e9:.1f} GB/s, product rate {flops_s / 1e9:.1f} GFLOP/s")
     model, config, params, _ = lc.load("shaped")
     rows = []
     for lanes in args.lanes:
         for context in args.contexts:
             rows += rows_for(model, config, params, bw, context, lanes, args.steps, args.kv,
-                             args.threads)
-    report(rows, bw, args.steps)
+                             args.threads, flops_s)
+    report(rows, bw, args.steps, flops_s)
     if args.json:
         Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw,
+                                               "flop_rate": flops_s,
                                                "steps": args.steps}, indent=1))
     return 0
 
