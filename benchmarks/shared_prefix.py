@@ -202,6 +202,7 @@ def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
     import torch
 
     import cacheidx as ci
+    from cacheidx import plan as plans
     from cacheidx.attention import SCORES
 
     table, slots = layout(lanes, prefix, steps, False)
@@ -212,7 +213,7 @@ def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
         best = float("inf")
         for _ in range(20):
             t0 = time.perf_counter()
-            runplan.plan(index, slots, SCORES, heads, None, look)
+            runplan.plan(plans.host(index), slots, SCORES, heads, None, look)
             best = min(best, time.perf_counter() - t0)
         plan[look] = best
     say(f"nothing shared, {lanes} lanes of {prefix}: looking {1e3 * on:.2f} ms, not "
