@@ -160,13 +160,15 @@ def decode_rows(contexts, steps: int, engines) -> list[dict]:
 
 # -- 3. accuracy ------------------------------------------------------------------------------
 def text_ids(n: int) -> list[int]:
-    """``n`` token ids of this repository's documentation, read in a fixed order."""
+    """``n`` token ids of a fixed text: ``benchmarks/data/kl-text.md``, the first 16,000
+    characters of this repository's documentation as they stood on 2026-12-03 (a frozen copy,
+    so that editing the docs does not move the KL figures)."""
     from cacheidx.models import gguf
 
-    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    text = (ROOT / "benchmarks" / "data" / "kl-text.md").read_text()
     ids = list(gguf.chat_tokenizer().tokenizer.encode(text, add_special_tokens=False).ids)
     if len(ids) < n:
-        raise SystemExit(f"benchmarks/quantized.py: the docs hold {len(ids)} tokens, "
+        raise SystemExit(f"benchmarks/quantized.py: the text holds {len(ids)} tokens, "
                          f"fewer than {n}")
     return ids[:n]
 
