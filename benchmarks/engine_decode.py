@@ -1,0 +1,163 @@
+"""Decode through the serving engine against transformers' static cache: tokens/s of the decode
+steps of ``cacheidx.serve.Engine`` (eager torch, the CPU kernel reading its paged pools, the
+prefix cache on) beside ``generate`` with ``cache_implementation="static"`` on the same model
+and prompts, greedy, one thread.
+
+Workloads (issue 38's "through the engine"): 32 distinct prompts of 4k tokens (nothing shared),
+and 8 and 32 lanes under one 4k-token prompt (the shared prompt, then a few tokens of each
+lane's own; one request of the shared prompt alone runs first, so that the prefix cache holds
+its pages and every lane's table names them: the lanes read it once), each decoding ``--new``
+tokens. The model is ``long_context.py``'s (SmolLM2-135M's shape cut to 2 layers, random
+weights, the same on both sides). The engine's rate is its decode tokens over its decode calls'
+seconds (``Engine.figures()``: prefill left out); transformers' is the lanes
+over the median of its decode steps, each timed inside ``generate`` (the gap between two
+calls of a logits processor, made once a token). Both give the same greedy tokens (checked
+per row), and under a shared prompt the engine gives them with the prefix cache on and off.
+The floor is the bytes a decode step must read (the weights, every lane's keys and values, a
+shared prompt once) over the machine's one-thread bandwidth.
+
+    python benchmarks/engine_decode.py [--json PATH] [--workloads distinct shared8 shared32]
+                                       [--new N] [--context 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_context as lc  # noqa: E402  (sets one thread before numpy and torch load)
+import numpy as np  # noqa: E402
+
+WORKLOADS = {"distinct": (32, False), "shared8": (8, True), "shared32": (32, True)}
+OWN = 8  # a lane's own tokens after a shared prompt
+PAGE = 16
+
+
+def say(msg: str) -> None:
+    print(f"    {msg}", flush=True)
+
+
+def prompts(config, lanes: int, context: int, shared: bool, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    if not shared:
+        return [rng.integers(1, config.vocab, context).tolist() for _ in range(lanes)]
+    common = rng.integers(1, config.vocab, context).tolist()
+    return [common + rng.integers(1, config.vocab, OWN).tolist() for _ in range(lanes)]
+
+
+def engine_rate(config, params, asked: list[list[int]], new: int, shared: bool, cache: bool):
+    """The engine's decode tokens/s over ``asked`` and each prompt's tokens."""
+    from cacheidx.serve import Engine, LlamaModel, Request
+
+    lanes = len(asked)
+    pages = lanes * (-(-(len(asked[0]) + new) // PAGE)) + 64
+    engine = Engine(LlamaModel(config, params), backend="torch", pages=pages, page_size=PAGE,
+                    lanes=lanes, cache=cache)
+    if shared:  # the shared prompt alone first: its pages then lie in the prefix cache
+        engine.run([Request("shared", asked[0][:-OWN], 1)])
+        before = engine.figures()
+    else:
+        before = {"decode_seconds": 0.0, "generated_tokens": 0, "decode_calls": 0}
+    results = engine.run([Request(i, p, new) for i, p in enumerate(asked)])
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    f = engine.figures()
+    return f, [r.tokens for r in sorted(results, key=lambda r: r.id)], before
+
+
+def hf_rate(model, asked: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """transformers' decode tokens/s under its static cache (``generate``; each step's time is
+    the gap between two calls of a logits processor, which ``generate`` makes once a token:
+    the median of the steps after its prefill), and its greedy tokens."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(asked)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             cache_implementation="static",
+                             logits_processor=LogitsProcessorList([Stamp()]))
+    steps = np.diff(stamps)[1:]  # the first gap holds the static cache's first decode call
+    return len(asked) / float(np.median(steps)), out[:, ids.shape[1]:].tolist()
+
+
+def row_for(name, model, config, params, bw, context, new) -> dict:
+    lanes, shared = WORKLOADS[name]
+    asked = prompts(config, lanes, context, shared)
+    t0 = time.perf_counter()
+    f, tokens, before = engine_rate(config, params, asked, new, shared, cache=True)
+    decode_s = f["decode_seconds"] - before["decode_seconds"]
+    decoded = f["generated_tokens"] - before["generated_tokens"] - lanes  # the first is prefill's
+    calls = f["decode_calls"] - before["decode_calls"]
+    rate = f["decode_tokens_per_second"]
+    same_off = None
+    if shared:
+        _, off, _ = engine_rate(config, params, asked, new, shared, cache=False)
+        same_off = off == tokens
+    hf, hf_tokens = hf_rate(model, asked, new)
+    per_lane = context + (OWN if shared else 0)
+    kv = 2 * config.layers * config.kv_heads * config.head_dim * 4
+    read = kv * (per_lane + lanes * OWN if shared else lanes * per_lane)
+    floor = (lc.weight_bytes(params) + read) / bw
+    row = {"workload": name, "lanes": lanes, "context": context, "shared": shared, "new": new,
+           "engine_tokens_per_s": rate, "decode_calls": calls, "decode_seconds": decode_s,
+           "decoded": decoded, "hf_tokens_per_s": hf, "vs_static": rate / hf,
+           "floor_ms": 1e3 * floor, "step_ms": 1e3 * lanes / rate,
+           "same_tokens": tokens == hf_tokens, "same_without_cache": same_off,
+           "wall_s": time.perf_counter() - t0}
+    say(f"{name}: engine {rate:.1f} tokens/s, transformers static {hf:.1f} "
+        f"({rate / hf:.2f}x); step {row['step_ms']:.1f} ms, floor {row['floor_ms']:.1f} ms; "
+        f"same tokens {row['same_tokens']}, without the cache {same_off}")
+    return row
+
+
+def report(rows: list[dict], bw: float) -> None:
+    print(f"\nDecode through cacheidx.serve.Engine (eager torch, the CPU kernel, the prefix cache "
+          f"on) against transformers' static cache (generate), SmolLM2-135M's shape cut to 2 "
+          f"layers, greedy, one thread; the floor reads the weights and the keys and values a "
+          f"step needs ({bw / 1e9:.1f} GB/s).\n")
+    print("| workload | lanes | context | engine tokens/s | transformers static tokens/s | "
+          "vs static | engine step ms | floor ms | floor / step | same tokens | "
+          "same without the cache |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        off = "-" if r["same_without_cache"] is None else (
+            "yes" if r["same_without_cache"] else "no")
+        print(f"| {r['workload']} | {r['lanes']} | {r['context']} | "
+              f"{r['engine_tokens_per_s']:.1f} | {r['hf_tokens_per_s']:.1f} | "
+              f"{r['vs_static']:.2f}x | {r['step_ms']:.1f} | {r['floor_ms']:.1f} | "
+              f"{r['floor_ms'] / r['step_ms']:.2f} | {'yes' if r['same_tokens'] else 'no'} | "
+              f"{off} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--new", type=int, default=16)
+    p.add_argument("--context", type=int, default=4096)
+    args = p.parse_args(argv)
+    bw = lc.bandwidth()
+    say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
+    model, config, params, _ = lc.load("shaped")
+    rows = [row_for(w, model, config, params, bw, args.context, args.new)
+            for w in args.workloads]
+    report(rows, bw)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
