@@ -40,7 +40,7 @@ from .. import masks, pools
 from .. import plan as plans
 from ..laws import inside
 from . import runplan
-from .shared import carry, note
+from .shared import carry, lanes_states, note
 from .softmax import Online
 
 __all__ = ["JaxPath", "sharing"]
@@ -214,22 +214,11 @@ def _take(xp: Any, a: Any, at: Any) -> Any:
 def _prefixes(call: Any, q: Any, table: Any, share: Share, read: Any
               ) -> tuple[Any, Any, Any]:
     """Every lane's state ``(m, l, acc)`` over its shared prefix, ``[batch, kv, g, seq, ...]``
-    (:func:`_prefix`, once per group): a lane sharing none gets the state of no column
-    (``-inf``, 0, 0), which a merge leaves exactly as it was."""
+    (:func:`_prefix`, once per group), placed at its lanes by :func:`.shared.lanes_states`."""
     xp = call.index.backend.xp
-    batch, kv, g, seq, _ = q.shape
-    dv = int(call.vpool.shape[-1])
-    none = (xp.full((1, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
-            xp.zeros((1, kv, g, seq, 1), dtype=q.dtype),
-            xp.zeros((1, kv, g, seq, dv), dtype=q.dtype))
-    parts, where, at = [none], [0] * batch, 1  # lane b's state: row where[b] of the parts
-    for lanes, width in share:
-        parts.append(_prefix(call, q, table[lanes[0], :width], lanes, read))
-        for b in lanes:
-            where[b], at = at, at + 1
-    rows = xp.asarray(np.asarray(where))
-    return tuple(xp.take(xp.concat([p[k] for p in parts], axis=0), rows, axis=0)
-                 for k in range(3))
+    return lanes_states(
+        call, q, share, lambda lanes, width: _prefix(call, q, table[lanes[0], :width], lanes,
+                                                     read), xp.asarray)
 
 
 def _prefix(call: Any, q: Any, row: Any, lanes: tuple[int, ...], read: Any

@@ -107,10 +107,22 @@ def offsets(batch: int, share: Share) -> tuple[int, ...]:
 def states(call: Any, q: Any, share: Share) -> tuple[Any, Any, Any]:
     """Every lane's state ``(m, l, acc)`` over its shared prefix, ``[batch, kv, g, seq, ...]``
     (``q``: the call's queries grouped, :func:`~.softmax.group`), each group's read once
-    (:func:`prefix`); a lane sharing none gets the state of no column (``-inf``, 0, 0), which
-    a merge under a mask leaves as it was."""
-    index = call.index
-    xp, backend = index.backend.xp, index.backend
+    (:func:`prefix`), as :func:`lanes_states` places them."""
+    backend = call.index.backend
+    device = backend.device(call.index.pos)
+    return lanes_states(
+        call, q, share, lambda lanes, width: prefix(call, q, lanes, width),
+        lambda where: backend.from_host(where, call.index.pos.dtype, device))
+
+
+def lanes_states(call: Any, q: Any, share: Share, read: Any, rows: Any
+                 ) -> tuple[Any, Any, Any]:
+    """Each group's states ``read(lanes, width)`` (``[len(lanes), kv, g, seq, ...]``, read
+    once) placed at its lanes, ``[batch, kv, g, seq, ...]``: a lane sharing none gets the
+    state of no column (``-inf``, 0, 0), which a merge leaves exactly as it was. ``rows``
+    makes the library's index array of a host one (the caller's: an eager call places it on
+    the pool's device, a traced program takes it as a constant)."""
+    xp = call.index.backend.xp
     batch, kv, g, seq, _ = q.shape
     dv = int(call.vpool.shape[-1])
     none = (xp.full((1, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
@@ -118,10 +130,10 @@ def states(call: Any, q: Any, share: Share) -> tuple[Any, Any, Any]:
             xp.zeros((1, kv, g, seq, dv), dtype=q.dtype))
     parts, where, at = [none], [0] * batch, 1  # lane b's state: row where[b] of the parts
     for lanes, width in share:
-        parts.append(prefix(call, q, lanes, width))
+        parts.append(read(lanes, width))
         for b in lanes:
             where[b], at = at, at + 1
-    taken = backend.from_host(np.asarray(where), index.pos.dtype, backend.device(index.pos))
+    taken = rows(np.asarray(where))
     return tuple(xp.take(xp.concat([p[k] for p in parts], axis=0), taken, axis=0)
                  for k in range(3))
 
