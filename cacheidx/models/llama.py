@@ -377,9 +377,10 @@ def rms_norm(x, weight, eps, *, xp=None):
 
 
 def _silu(x, xp):
-    # sigmoid from exp(-|x|), which never overflows
-    z = xp.exp(-xp.abs(x))
-    return x * xp.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+    # x / (1 + exp(-x)), as torch's own SiLU computes it; the clip keeps exp finite (no
+    # overflow warning), where SiLU is below 1e-36 anyway. No ``where``: on torch's CPU a
+    # select is unvectorised, and it made this 7x slower (279 us against 37 at [32, 1536])
+    return x / (1.0 + xp.exp(-xp.clip(x, min=-88.0)))
 
 
 def rotary(positions, head_dim, base, dtype, *, xp=None):
