@@ -49,6 +49,12 @@ class Products(Protocol):
     def weigh(self, p: Any, values: Any) -> Any:
         """``p`` ``[1, kv, m, T]`` times ``values`` ``[1, T, kv, dv]``: ``[1, kv, m, dv]``."""
 
+    def run(self, q: Any, keys: Any, values: Any) -> tuple[Any, Any, Any] | None:
+        """The online softmax's state ``(m, l, acc)`` (``[1, kv, m, 1]`` twice,
+        ``[1, kv, m, dv]``) of ``q`` over float ``keys`` and ``values`` every query sees whole,
+        by one fused call, or ``None`` where it does not pay or a result is not finite
+        (:meth:`~.softmax.Online.add` then computes it)."""
+
 
 _REGISTRY = Registry(GROUP, _BUILTIN)
 #: backend name -> its path's "module:attribute", read once at import (never under a tracer)

@@ -241,6 +241,8 @@ class Online:
         """Fold in one tile: ``keys`` and ``values`` as ``keys_of`` has them, ``mask``
         ``[batch, seq, T]`` (``None``: every query sees every column of the tile)."""
         xp = self.xp
+        if mask is None and self._fused(keys, values):
+            return
         z = self.scores(keys)
         if mask is not None:
             lane = self.keys_of == "lane"
@@ -267,6 +269,26 @@ class Online:
             fade = xp.exp(self.m - base)
             self.l, self.acc = self.l * fade + total, self.acc * fade + weighed
         self.m = top
+
+    def _fused(self, keys: Any, values: Any) -> bool:
+        """Fold in a tile every query sees whole by the library's fused attention over one
+        lane's float views (:meth:`~.paths.Products.run`, which declines a short or not finite
+        one): False, nothing done, where it does not apply. Its state is the same softmax's,
+        ``l`` counted from ``exp(lse)`` (``m = lse``, ``l = 1``); only the order of the sums
+        differs."""
+        if (self.products is None or self.keys_of != "lane" or self.softcap is not None
+                or not self.host or pools.kind(keys).cast or pools.kind(values).cast
+                or pools.parts(keys)[0].shape[0] != 1):
+            return False
+        xp = self.xp
+        b, kv, g, s, d = self.q.shape
+        got = self.products.run(xp.reshape(self.q, (b, kv, g * s, d)), keys, values)
+        if got is None:
+            return False
+        m, l, acc = got
+        self.merge(xp.reshape(m, (b, kv, g, s, 1)), xp.reshape(l, (b, kv, g, s, 1)),
+                   xp.reshape(acc, (b, kv, g, s, self.dv)))
+        return True
 
     def merge(self, m: Any, l: Any, acc: Any) -> None:
         """Fold in the state ``(m, l, acc)`` of columns of their own, shaped as this state's
