@@ -157,18 +157,23 @@ def test_paged_decode_under_a_window_with_sinks(lib, monkeypatch):
 @pytest.mark.parametrize("lib", LIBS)
 def test_lanes_sharing_a_prefix_are_read_once_by_the_core_or_by_the_kernel_apart(
         lib, monkeypatch):
-    """Lanes whose tables share a prefix's pages: the core reads it once for them (the kernel
-    declines before reading); within :func:`~cacheidx.attention.runs.unshared`, the kernel
-    reads each lane's. Both equal the reference."""
+    """Lanes whose tables share a prefix's pages: the core reads it once for them (the paged
+    step declines before reading), and the kernel then reads each lane's own columns alone
+    (past the prefix, in one call); within :func:`~cacheidx.attention.runs.unshared`, the
+    kernel reads each lane's whole. Both equal the reference."""
     kernel_or_skip()
-    calls = used(monkeypatch)
-    args = step(lib, np.random.default_rng(4), [300, 290, 310], shared=256)
+    read = []  # the most columns a lane read in each call the kernel took
+    real = native.paged
+    monkeypatch.setattr(native, "paged", lambda q, table, start, stop, *pools: read.append(
+        int(np.max(stop - start))) or real(q, table, start, stop, *pools))
+    lens = [300, 290, 310]
+    args = step(lib, np.random.default_rng(4), lens, shared=256)
     check(*args)
-    assert calls == [], "the core reads the shared prefix once"
-    args = step(lib, np.random.default_rng(4), [300, 290, 310], shared=256)
+    assert read == [max(lens) - 256], "the kernel read more than the lanes' own columns"
+    args = step(lib, np.random.default_rng(4), lens, shared=256)
     with runs.unshared():
         check(*args)
-    assert calls == [True]
+    assert read[1:] == [max(lens)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -173,54 +173,93 @@ def read(call: Any, scores: int) -> Any | None:
     # a head-major pool's heads are each a contiguous block: a product streams one whole
     interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
     products = paths.products(index.backend, kpool, vpool)
+    # each shared prefix read once, for all its lanes: its group's states, lane-major
+    states = [(g.lanes, _shared(call, g, grouped, dv, interleaved, products)) for g in groups]
+    done: dict[int, Any] = {}
+    if own is not None:
+        out = _owned(call, own, placed.own, grouped, dv, [st for _, st in states])
+        if own.lanes == tuple(range(len(lanes))):  # every lane shares: its output as it is
+            return ungroup(xp, out, "lane", q.dtype)
+        done = {b: out[i:i + 1, ...] for i, b in enumerate(own.lanes)}
     shared: dict[int, list[tuple[Any, Any, Any]]] = {}
-    for g in groups:  # each shared prefix read once, for all its lanes
-        for b, state in zip(g.lanes, _shared(call, g, grouped, dv, interleaved, products)):
-            shared.setdefault(b, []).append(state)
-    outs = {} if own is None else _owned(call, own, placed.own, grouped, dv, shared)
-    out = xp.concat([outs[b] if b in outs else
+    for members, st in states:
+        for i, b in enumerate(members):
+            shared.setdefault(b, []).append(tuple(x[i:i + 1, ...] for x in st))
+    out = xp.concat([done[b] if b in done else
                      _lane(call, lambda b=b: one_lane(index, b), blocks, placed.gathered,
                            grouped[b:b + 1, ...], dv, interleaved, products, shared.get(b, ()))
                      for b, blocks in enumerate(lanes)], axis=0)
     return ungroup(xp, out, "lane", q.dtype)
 
 
-def _owned(call: Any, own: Own, placed: tuple[Any, Any], grouped: Any, dv: int, shared: dict
-           ) -> dict[int, Any]:
-    """The outputs of the lanes sharing a prefix, their own columns read as one tile for all
-    of them (a product per kv head over ``[lanes, width]`` gathered rows, through ``placed``:
-    the tile's read plan and mask on the device), each lane's states over its prefix merged in
-    first: one online softmax for every such lane, not one a lane."""
-    xp, index = call.index.backend.xp, call.index
-    lanes = list(own.lanes)
-    state = Online(xp, "lane", xp.concat([grouped[b:b + 1, ...] for b in lanes], axis=0), dv,
-                   call.softcap, call.q.dtype, host=_in_host_memory(call))
-    parts = [shared[b][0] for b in lanes]  # a lane shares one prefix: its group's
-    state.merge(*(xp.concat([p[i] for p in parts], axis=0) for i in range(3)))
+def _along(xp: Any, x: Any, lanes: tuple[int, ...]) -> Any:
+    """Rows ``lanes`` of ``x`` along its first axis: a view where they are consecutive."""
+    lo = lanes[0]
+    if lanes == tuple(range(lo, lo + len(lanes))):
+        return x[lo:lo + len(lanes), ...]
+    return xp.concat([x[b:b + 1, ...] for b in lanes], axis=0)
 
-    shape, (at, mask) = (len(lanes), own.width), placed
-    state.add(rows(index, call.kpool, at, shape), rows(index, call.vpool, at, shape), mask)
-    out = state.normalised(call.sinks)
-    return {b: out[i:i + 1, ...] for i, b in enumerate(lanes)}
+
+def _owned(call: Any, own: Own, placed: tuple[Any, Any], grouped: Any, dv: int,
+           states: list[tuple[Any, Any, Any]]) -> Any:
+    """The outputs of the lanes sharing a prefix (``[len(own.lanes), kv, g, seq, dv]``, as
+    :meth:`~.softmax.Online.normalised` has them), their own columns read as one tile for all
+    of them (a product per kv head over ``[lanes, width]`` gathered rows, through ``placed``:
+    the tile's read plan and mask on the device; a decode step's through the kernel), each
+    lane's state over its prefix merged in first (``states``: each group's, whose lanes are
+    ``own.lanes`` in order): one online softmax for every such lane, not one a lane."""
+    xp, index = call.index.backend.xp, call.index
+    state = Online(xp, "lane", _along(xp, grouped, own.lanes), dv, call.softcap, call.q.dtype,
+                   host=_in_host_memory(call))
+    state.merge(*(states[0] if len(states) == 1 else
+                  (xp.concat([st[i] for st in states], axis=0) for i in range(3))))
+    shape, (at, mask) = (len(own.lanes), own.width), placed
+    if not _native_own(call, own, state):
+        state.add(rows(index, call.kpool, at, shape), rows(index, call.vpool, at, shape), mask)
+    return state.normalised(call.sinks)
+
+
+def _native_own(call: Any, own: Own, state: Online) -> bool:
+    """Fold a decode step's own columns (one token a lane, no softcap) into ``state`` through
+    the CPU kernel's paged entry (:func:`.native.paged`): each lane's own slots its row of the
+    table, read where they lie, every lane in one call, where a tile would gather them first
+    (a product per kv head over the gathered rows). False, nothing done, where the kernel
+    does not apply or refuses the values."""
+    if call.index.seq != 1 or call.softcap is not None:
+        return False
+    from .native import paged
+
+    xp = state.xp
+    b, kv, g, _, d = state.q.shape
+    count = np.count_nonzero(own.slots >= 0, axis=1)  # a lane's own columns come first
+    got = paged(xp.reshape(state.q, (b, kv, g, d)), own.slots, np.zeros_like(count), count,
+                call.kpool, call.vpool)
+    if got is None:
+        return False
+    m, l, acc = got
+    state.merge(xp.reshape(m, (b, kv, g, 1, 1)), xp.reshape(l, (b, kv, g, 1, 1)),
+                xp.reshape(acc, (b, kv, g, 1, state.dv)))
+    state.masked = True  # a lane's scores may all be -inf: its l is zero, selected around
+    return True
 
 
 def _shared(call: Any, group: Group, grouped: Any, dv: int, interleaved: bool,
-            products: Any) -> list[tuple[Any, Any, Any]]:
-    """The online softmax's state ``(m, l, acc)`` of each lane of ``group`` over its shared
-    columns: the lanes' queries stacked as one lane's heads (``[1, kv, lanes x g, seq, d]``),
-    so that each kv head's product reads a piece once for all of them."""
+            products: Any) -> tuple[Any, Any, Any]:
+    """The online softmax's state ``(m, l, acc)`` of the lanes of ``group`` over its shared
+    columns, each ``[len(group.lanes), kv, g, seq, ...]``: the lanes' queries stacked as one
+    lane's heads (``[1, kv, lanes x g, seq, d]``), so that each kv head's product reads a piece
+    once for all of them."""
     xp = call.index.backend.xp
     _, kv, g, seq, d = grouped.shape
     lanes = len(group.lanes)
-    q = xp.concat([grouped[b:b + 1, ...] for b in group.lanes], axis=0)
+    q = _along(xp, grouped, group.lanes)
     q = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, lanes * g, seq, d))
     state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products,
                    host=_in_host_memory(call))
     _fold(call, state, q, 0, seq, list(group.pieces), None, {}, interleaved)
     note(group.lanes, group.width)
-    split = [xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1])))
-             for x in (state.m, state.l, state.acc)]
-    return [tuple(x[None, :, i, ...] for x in split) for i in range(lanes)]
+    return tuple(xp.permute_dims(xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1]))),
+                                 (1, 0, 2, 3, 4)) for x in (state.m, state.l, state.acc))
 
 
 def _lane(call: Any, own: Any, blocks: Blocks, gathered: dict[int, Any], grouped: Any, dv: int,

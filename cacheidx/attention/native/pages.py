@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import pools
 from . import found
 from .memory import memory
 from .rows import ROWS
@@ -71,7 +72,8 @@ def paged(q: Any, table: np.ndarray, start: np.ndarray, stop: np.ndarray, kpool:
     of the table by one call of the kernel (lanes x kv heads over :func:`threads`), or ``None``
     where it does not apply: no kernel, pools it cannot read (float32, float16, bfloat16, or
     quantized codes with scales of those; NumPy or CPU tensors, a row's elements adjacent),
-    more than :data:`ROWS` query rows a kv head, a head dim past :data:`WIDEST`, a query not
+    more than :data:`ROWS` query rows a kv head, a head dim past :data:`WIDEST`, a gradient
+    asked (torch's grad mode on and an input requiring grad: no backward), a query not
     finite, a score NaN or ``+inf``, or a state not finite (a value that is not: the core's
     laws weigh it). A row that weighs no column (its lane sees none, or its scores are all
     ``-inf``) has ``m = -inf``, ``l = 0``, ``acc = 0``.
@@ -93,6 +95,9 @@ def paged(q: Any, table: np.ndarray, start: np.ndarray, stop: np.ndarray, kpool:
         return None
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(q, torch.Tensor)
+    if is_torch and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (
+            q, *pools.parts(kpool), *pools.parts(vpool))):
+        return None  # no backward of its own: autograd follows the core's products instead
     if is_torch:
         q = q.contiguous()
         m, l, acc = (torch.empty((lanes, kv, g), dtype=torch.float32),
