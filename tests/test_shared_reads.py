@@ -459,14 +459,17 @@ def test_the_tiles_read_a_quantized_prefix_once_as_without(backend, bits):
 
 
 # -- torch's fused attention over a long run ---------------------------------------------------
-@pytest.mark.parametrize("poisoned", [False, True])
-def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, monkeypatch):
+@pytest.mark.parametrize("poisoned, dv", [(False, DIM), (True, DIM), (False, DIM - 2)])
+def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, dv,
+                                                                     monkeypatch):
     """Four lanes under a 640-column prefix over head-major torch pools, one decode token each:
     the runs read the prefix once, as one fused call of torch's CPU attention over the lanes'
     stacked rows (``HeadMajor.run``), and the output is NumPy's (the core's own products)
     within the law's tolerance. ``poisoned``: an infinite value in the prefix at kv head 1;
     the fused call declines its state (not finite), and that head's outputs are NaN in every
-    lane, as the law (and NumPy) has them, the other head's NumPy's."""
+    lane, as the law (and NumPy) has them, the other head's NumPy's. Values of a narrower head
+    than the keys': the fused call (one head size for all three) declines, the products
+    read it."""
     import numpy as np
     import torch
 
@@ -485,21 +488,22 @@ def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, m
     n = (50 + lanes) * PAGE
     rng = np.random.default_rng(12)
     q, k, v, kp, vp = (rng.standard_normal(s).astype(np.float32) for s in (
-        (lanes, 1, HEADS, DIM), (lanes, 1, KV, DIM), (lanes, 1, KV, DIM), (n, KV, DIM),
-        (n, KV, DIM)))
+        (lanes, 1, HEADS, DIM), (lanes, 1, KV, DIM), (lanes, 1, KV, dv), (n, KV, DIM),
+        (n, KV, dv)))
     if poisoned:
         vp[37, 1, 2] = np.inf
     want = ci.make(np.array(pos), np.array(table)).attend(q, k, v, kp, vp)[0]
 
     def pool(a):
-        got = layout.zeros(backends.get("torch").xp, n, KV, DIM, dtype=torch.float32, layout="head")
+        got = layout.zeros(backends.get("torch").xp, n, KV, a.shape[-1], dtype=torch.float32,
+                           layout="head")
         got[...] = torch.from_numpy(a)
         return got
 
     ix = ci.make(torch.tensor(pos), torch.tensor(table))
     with torch.inference_mode():
         got = ix.attend(*map(torch.from_numpy, (q, k, v)), pool(kp), pool(vp))[0].numpy()
-    assert fused == [not poisoned], f"the fused call's results: {fused}"
+    assert fused == [not poisoned and dv == DIM], f"the fused call's results: {fused}"
     if poisoned:  # kv head 1's query heads are 2 and 3
         assert np.isnan(got[:, :, 2:]).all() and np.isnan(want[:, :, 2:]).all()
     np.testing.assert_allclose(got[:, :, :2], want[:, :, :2], rtol=1e-5, atol=1e-6)

@@ -106,6 +106,7 @@ class HeadMajor(NamedTuple):
         # speed of the products and softmax apart, whose scores alone are megabytes (32 lanes
         # x 9 heads over 4,096 columns: 3.8 ms a layer against 6.8; docs/attention.md)
         if (keys.shape[1] < SHORT or keys.dtype != q.dtype or values.dtype != q.dtype
+                or not q.shape[-1] == keys.shape[-1] == values.shape[-1]  # one head size
                 or torch.is_grad_enabled() and any(
                     x.requires_grad for x in (q, keys, values))):
             return None  # short: the products pay; its backward has no log-sum-exp's
