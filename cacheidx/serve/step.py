@@ -140,8 +140,10 @@ class Step:
         else:  # each layer's: its group's pages, or (law 8) a recurrent layer's pair
             of_layer = groups.of_layer if groups is not None else (0,) * len(
                 getattr(model, "windows", None) or range(max(recurrent) + 1))
-            each = [slots[g] for g in of_layer] if groups is not None else [slots] * len(
-                of_layer)
+            sizes = slots if isinstance(slots, list) else [slots]
+            # a layer's pool sizes: its group's slots, or a recurrent layer's (lanes, snapshots)
+            each: list[Any] = [sizes[g] for g in of_layer] if groups is not None else [
+                slots] * len(of_layer)
             if recurrent:
                 if states is None:
                     raise ValueError(f"cacheidx.serve.Step: {type(model).__name__} has "
@@ -149,8 +151,8 @@ class Step:
                                      "(m, snapshot slots)")
                 each = [(lanes, states[1]) if i in recurrent else n for i, n in enumerate(each)]
             self.pools = _pools(model, self.weights, each, kv)
-            slots = max(slots) if groups is not None else slots
-        pages = len(buckets(max(1, -(-slots // page_size))))
+        most = max(slots) if isinstance(slots, list) else slots
+        pages = len(buckets(max(1, -(-most // page_size))))
         lane_sizes, token_sizes = len(buckets(lanes)), len(buckets(chunk, 16))
         #: the most programs (shapes) of each call, where bounded
         self.bound = {"fixed": {"prefill": pages, "decode": pages},
@@ -184,8 +186,8 @@ class Step:
         groups, ``table`` and ``version`` are tuples of each group's (law 6); with states,
         ``blocks`` is the table of blocks and its version (law 8)."""
         lanes, seq = batch.tokens.shape
-        tables, versions = (table, version) if isinstance(table, tuple) else ((table,),
-                                                                             (version,))
+        tables: tuple = table if isinstance(table, tuple) else (table,)
+        versions: tuple = version if isinstance(version, tuple) else (version,)
         width = tables[0].shape[1]
         if self.shapes_of == "fixed":
             lanes_, columns = self.lanes, width
@@ -200,11 +202,11 @@ class Step:
         key = (lanes_, seq_, columns)
         new = key not in self.shapes[batch.kind] and (self.compiled or not self.shapes[batch.kind])
         self.shapes[batch.kind].add(key)
-        rows = np.full(lanes_, -1, dtype=np.int64)
+        rows: np.ndarray = np.full(lanes_, -1, dtype=np.int64)
         rows[:lanes] = batch.rows
-        pos = np.full((lanes_, seq_), -1, dtype=np.int64)
+        pos: np.ndarray = np.full((lanes_, seq_), -1, dtype=np.int64)
         pos[:lanes, seq_ - seq :] = batch.pos
-        tokens = np.zeros((lanes_, seq_), dtype=np.int64)
+        tokens: np.ndarray = np.zeros((lanes_, seq_), dtype=np.int64)
         tokens[:lanes, seq_ - seq :] = batch.tokens
         fed = self._fed if batch.follows and self._fed is not None and _follows(
             self._fed, key) else None
@@ -225,7 +227,7 @@ class Step:
                 self._check_fed(indices, pos, rows)
         else:
             pos_in, rows_in = self._put("pos", pos, fed and fed.pos), self._put("row", rows)
-            every = [] if blocks is None else [(self.states[0], self._blocks_of(blocks, columns))]
+            every = [] if blocks is None else [(self._block(), self._blocks_of(blocks, columns))]
             indices = tuple(ci.make(pos_in, t, row=rows_in, every=every if g == 0 else None)
                             for g, t in enumerate(now))
             if not self.compiled:  # the values they were made from (compiled: traced)
@@ -327,8 +329,16 @@ class Step:
         """Law 8: the table of blocks' first ``ceil(columns / m)`` columns on the device,
         copied again only when the scheduler changed it."""
         table, version = blocks
-        width = min(-(-columns // self.states[0]), table.shape[1])
+        width = min(-(-columns // self._block()), table.shape[1])
         return self._table_of(-1, table, width, version, name="blocks")
+
+    def _block(self) -> int:
+        """Law 8: the tokens ``m`` of a block of recurrent states (a call gives blocks only
+        with states)."""
+        if self.states is None:
+            raise ValueError("cacheidx.serve.Step.run: blocks were given to a step made "
+                             "without states")
+        return self.states[0]
 
     def _table_of(self, group: int, table: np.ndarray, columns: int, version: int,
                   name: str | None = None) -> Any:
