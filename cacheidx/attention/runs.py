@@ -22,7 +22,8 @@ columns): its runs are read once for all the group's lanes, their queries stacke
 lane's heads, each kv head's product over a piece serving all of them (Hydragen's and
 FlashInfer's cascade), and each lane's state over it is merged exactly into the state over its
 own columns (:meth:`~cacheidx.attention.softmax.Online.merge`), which the group's lanes read as
-one tile for all of them where each holds at most :data:`~.runplan.OWN`. The law is attend's
+one tile for all of them where each holds at most :data:`~.runplan.OWN` (a decode step's
+through the CPU kernel's paged entry, nothing gathered). The law is attend's
 own; only the order of the sums changes. A lane whose window starts inside the prefix, a
 padding lane and a call of more than :data:`~.runplan.ROWS` tokens a lane (a long prefill)
 read their columns as their own; a prefix with a hole is read by the tiles, as every call with
