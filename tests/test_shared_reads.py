@@ -330,19 +330,21 @@ def test_sharing_names_what_the_runs_read_once_and_the_tiles_read_a_drafts_prefi
 def tiles_cases() -> dict:
     """``(pos, table, draft)`` the runs leave to the tiles, and the groups the tiles read once:
     a hole at column 70 (where the prefix ends), a draft, a prefix of 18 pages in reverse order
-    (too scattered for views), two groups and a lane alone past a hole of its own."""
+    with a hole in a lane's own columns past it, two groups and a lane alone past a hole of its
+    own."""
     holed = [pages(0, 1, 2, 3, 4, 5 + b) for b in range(3)]
     for row in holed:
         row[70] = -1
     scattered = [pages(*range(17, -1, -1), 20 + b) for b in range(3)]
+    scattered[2][289] = -1  # lane 2's own hole: the runs leave the call to the tiles
     two = [r[:] for r in jax_cases()["two groups and a lane alone"][1]]
     two[4][90] = -1  # the lane alone's hole: the runs leave the call to the tiles
     return {
         "a hole": ([[85], [86], [90]], holed, False, [((0, 1, 2), 70)]),
         "a draft": ([[88, 89], [88, 89], [90, 91]], jax_cases()["a draft"][1], True,
                     [((0, 1, 2), 80)]),
-        "scattered pages": ([[290, 291], [290, 291], [294, 295]], scattered, False,
-                            [((0, 1, 2), 288)]),
+        "scattered pages and a hole": ([[290, 291], [290, 291], [294, 295]], scattered, False,
+                                       [((0, 1, 2), 288)]),
         "two groups": ([[85], [86], [87], [88], [92]], two, False,
                        [((0, 1), 80), ((2, 3), 80)]),
     }
@@ -508,3 +510,51 @@ def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, d
         assert np.isnan(got[:, :, 2:]).all() and np.isnan(want[:, :, 2:]).all()
     np.testing.assert_allclose(got[:, :, :2], want[:, :, :2], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "strict", "torch"])
+def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, shared_reads,
+                                                                 monkeypatch):
+    """A prefix of 18 pages in reverse order (too scattered for views): the runs read it once
+    for its three lanes as gathered tiles (of at most ``SCATTERED`` columns: 100 here, so three
+    tiles), each gathered through the backend's read plan, and the output is the unshared
+    call's, its pools bit for bit."""
+    import numpy as np
+
+    import cacheidx as ci
+    from cacheidx import backends
+    from cacheidx.attention import runplan
+
+    on = backends.get(backend)
+    monkeypatch.setattr(runplan, "SCATTERED", 100)
+    table = [pages(*range(17, -1, -1), 20 + b) for b in range(3)]
+    pos = [[290], [291], [295]]
+    n = max(max(row) for row in table) + 1
+
+    def arr(a, dtype=None):
+        a = np.asarray(a)
+        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
+                            None)
+
+    ix = ci.make(arr(pos), arr(table))
+    groups = runplan.prefixes(np.asarray(table), np.ones((3, len(table[0])), bool),
+                              np.asarray(ci.make(np.asarray(pos), np.asarray(table)).mask()),
+                              n, 1, HEADS, 1 << 22, None)
+    assert [(g.lanes, g.width) for g in groups] == [((0, 1, 2), 288)]
+    assert [type(p).__name__ for p in groups[0].pieces] == ["Gathered"] * 3
+    assert [p.width for p in groups[0].pieces] == [100, 100, 88]
+    assert runs.sharing(ix, n, HEADS) == [((0, 1, 2), 288)]
+    rng = np.random.default_rng(3)
+    arrays = [arr(rng.standard_normal(s).astype(np.float32), on.xp.float32) for s in (
+        (3, 1, HEADS, DIM), (3, 1, KV, DIM), (3, 1, KV, DIM), (n, KV, DIM), (n, KV, DIM))]
+    got = ix.attend(*arrays)
+    assert len(shared_reads) == 1, "the runs did not read the prefix once"
+    with runs.unshared():
+        alone = ix.attend(*arrays)
+
+    def host(x):
+        return np.asarray(x.detach() if hasattr(x, "detach") else np.from_dlpack(x))
+
+    np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1:], alone[1:]):
+        assert np.array_equal(host(a), host(b))

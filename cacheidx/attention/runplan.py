@@ -37,7 +37,8 @@ import numpy as np
 from .. import masks
 from ..laws import inside
 
-__all__ = ["GATHER", "MOST_RUNS", "OWN", "ROWS", "SHARED", "WHOLE", "Gathered", "Group", "Own",
+__all__ = ["GATHER", "MOST_RUNS", "OWN", "ROWS", "SCATTERED", "SHARED", "WHOLE", "Gathered",
+           "Group", "Own",
            "Piece", "Runs", "carry", "one_lane", "plan", "prefixes", "reads", "shares",
            "unshared"]
 
@@ -56,6 +57,9 @@ OWN = 512
 #: the fewest columns a shared prefix must hold to be read once for its lanes (below, each
 #: lane reads it as its own: docs/attention.md, "Shared prefixes")
 SHARED = 64
+#: the most columns of one gathered tile of a scattered shared prefix (3 MB a pool at 3 kv heads
+#: of 64 in float32, 16 MB at 8 of 128): a copy made once a layer for all its lanes
+SCATTERED = 4096
 _SHARING = [True]
 
 
@@ -90,7 +94,7 @@ class Group(NamedTuple):
 
     lanes: tuple[int, ...]
     width: int
-    pieces: list[Piece]
+    pieces: list[Piece | Gathered]
 
 
 class Own(NamedTuple):
@@ -248,9 +252,10 @@ def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: i
     the pool and every query of each sees the column; a group holding at least :data:`SHARED`
     such columns and two lanes. A call of one block of queries a lane (a decode step, a short
     chunk: at most :data:`ROWS` tokens) whose whole mask the host holds; none otherwise.
-    ``views``: the prefix is read as views of its runs, so one of scattered pages (at least
-    :data:`MOST_RUNS` runs) is no group; a reader that gathers (the tiles, JAX's program)
-    passes False and reads it once all the same."""
+    ``views``: the prefix is read as views of its runs, and one of scattered pages (at least
+    :data:`MOST_RUNS` runs, where a view of each would cost a product) as :class:`Gathered`
+    tiles of at most :data:`SCATTERED` columns, each gathered once for the group; a reader
+    that gathers itself (the tiles, JAX's program) passes False: its pieces are the runs."""
     if whole is None or seq > ROWS or table.shape[1] < SHARED:
         return []
     seen = whole.all(axis=1) & some & inside(table, n)  # [batch, width]: all a lane's see it
@@ -267,12 +272,17 @@ def prefixes(table: np.ndarray, some: np.ndarray, whole: np.ndarray | None, n: i
             continue
         slots = table[lanes[0], :width]
         breaks: np.ndarray = np.flatnonzero(np.diff(slots) != 1) + 1
-        if views and breaks.size >= MOST_RUNS:
-            continue  # a prefix of scattered pages: a view of each would cost a product
         size = tile or max(16, scores // (len(lanes) * seq * heads))
-        pieces = [Piece(c0 + p0, c0 + p1, int(slots[c0]) + p0, True)
-                  for c0, c1 in zip(np.r_[0, breaks].astype(int), np.r_[breaks, width].astype(int))
-                  for p0, p1 in _spans(int(c1 - c0), size)]
+        pieces: list[Piece | Gathered]
+        if views and breaks.size >= MOST_RUNS:  # scattered pages: gathered, a tile at a time
+            size = min(size, SCATTERED)
+            pieces = [Gathered(int(c1 - c0), slots[c0:c1].copy())
+                      for c0, c1 in _spans(width, size)]
+        else:
+            pieces = [Piece(c0 + p0, c0 + p1, int(slots[c0]) + p0, True)
+                      for c0, c1 in zip(np.r_[0, breaks].astype(int),
+                                        np.r_[breaks, width].astype(int))
+                      for p0, p1 in _spans(int(c1 - c0), size)]
         groups.append(Group(tuple(lanes), width, pieces))
     return groups
 

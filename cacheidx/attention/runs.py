@@ -18,18 +18,19 @@ seen and ``mask`` hold there.
 **Shared prefixes are read once.** Lanes whose tables name the same slots at their first
 columns (a prompt's pages shared through the prefix cache, a forked beam, parallel samples)
 read those columns together (:func:`sharing`; where that prefix holds at least :data:`SHARED`
-columns): its runs are read once for all the group's lanes, their queries stacked as one
-lane's heads, each kv head's product over a piece serving all of them (Hydragen's and
-FlashInfer's cascade), and each lane's state over it is merged exactly into the state over its
-own columns (:meth:`~cacheidx.attention.softmax.Online.merge`), which the group's lanes read as
-one tile for all of them where each holds at most :data:`~.runplan.OWN` (a decode step's
-through the CPU kernel's paged entry, nothing gathered). The law is attend's
-own; only the order of the sums changes. A lane whose window starts inside the prefix, a
-padding lane and a call of more than :data:`~.runplan.ROWS` tokens a lane (a long prefill)
-read their columns as their own; a prefix with a hole is read by the tiles, as every call with
-a hole is, and the tiles read a shared prefix once too (:mod:`.shared`: up to the hole, and a
-prefix of scattered pages or a draft's); torch's compiled operator runs this code, so it does,
-and JAX's eager program reads once the groups :func:`prefixes` finds
+columns): its runs are read once for all the group's lanes, their queries stacked as one lane's
+heads, each kv head's product over a piece serving all of them (Hydragen's and FlashInfer's
+cascade; a prefix of scattered pages, where a view of each would cost a product, as gathered
+tiles of at most :data:`~.runplan.SCATTERED` columns, each gathered once a layer), and each
+lane's state over it is merged exactly into the state over its own columns
+(:meth:`~cacheidx.attention.softmax.Online.merge`), which the group's lanes read as one tile
+for all of them where each holds at most :data:`~.runplan.OWN` (a decode step's through the CPU
+kernel's paged entry, nothing gathered). The law is attend's own; only the order of the sums
+changes. A lane whose window starts inside the prefix, a padding lane and a call of more than
+:data:`~.runplan.ROWS` tokens a lane (a long prefill) read their columns as their own; a prefix
+with a hole is read by the tiles, as every call with a hole is, and the tiles read a shared
+prefix once too (:mod:`.shared`: up to the hole, and a draft's); torch's compiled operator runs
+this code, so it does, and JAX's eager program reads once the groups :func:`prefixes` finds
 (:func:`cacheidx.attention.jax.sharing`); a step the user compiles whole has no values to find
 them in. Each path records the prefixes it reads once (:func:`.shared.note`).
 
@@ -101,12 +102,12 @@ def place(index: Any, runs: Runs | None, n: int, kept: dict[int, Any] | None = N
     put = functools.partial(backend.from_host, device=backend.device(index.pos))
     kept = kept or {}
     gathered = {}
-    for blocks in runs.lanes:
-        for _, _, pieces in blocks:
-            for p in pieces:
-                if isinstance(p, Gathered):
-                    gathered[id(p)] = kept.get(id(p)) or backend.read_plan(
-                        put(p.slots), put(np.ones(p.slots.shape, dtype=bool)), n)
+    every = [pieces for blocks in runs.lanes for _, _, pieces in blocks]
+    for pieces in [*every, *(g.pieces for g in runs.groups)]:
+        for p in pieces:
+            if isinstance(p, Gathered):
+                gathered[id(p)] = kept.get(id(p)) or backend.read_plan(
+                    put(p.slots), put(np.ones(p.slots.shape, dtype=bool)), n)
     own = None
     if runs.own is not None:
         slots = runs.own.slots
@@ -175,7 +176,8 @@ def read(call: Any, scores: int) -> Any | None:
     interleaved = not (layout.head_major(kpool) and layout.head_major(vpool))
     products = paths.products(index.backend, kpool, vpool)
     # each shared prefix read once, for all its lanes: its group's states, lane-major
-    states = [(g.lanes, _shared(call, g, grouped, dv, interleaved, products)) for g in groups]
+    states = [(g.lanes, _shared(call, g, grouped, dv, interleaved, products, placed.gathered))
+              for g in groups]
     done: dict[int, Any] = {}
     if own is not None:
         out = _owned(call, own, placed.own, grouped, dv, [st for _, st in states])
@@ -245,11 +247,12 @@ def _native_own(call: Any, own: Own, state: Online) -> bool:
 
 
 def _shared(call: Any, group: Group, grouped: Any, dv: int, interleaved: bool,
-            products: Any) -> tuple[Any, Any, Any]:
+            products: Any, gathered: dict[int, Any]) -> tuple[Any, Any, Any]:
     """The online softmax's state ``(m, l, acc)`` of the lanes of ``group`` over its shared
     columns, each ``[len(group.lanes), kv, g, seq, ...]``: the lanes' queries stacked as one
     lane's heads (``[1, kv, lanes x g, seq, d]``), so that each kv head's product reads a piece
-    once for all of them."""
+    once for all of them (a scattered prefix's gathered tiles through ``gathered``, their read
+    plans)."""
     xp = call.index.backend.xp
     _, kv, g, seq, d = grouped.shape
     lanes = len(group.lanes)
@@ -257,7 +260,7 @@ def _shared(call: Any, group: Group, grouped: Any, dv: int, interleaved: bool,
     q = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, lanes * g, seq, d))
     state = Online(xp, "lane", q, dv, call.softcap, call.q.dtype, products=products,
                    host=_in_host_memory(call))
-    _fold(call, state, q, 0, seq, list(group.pieces), None, {}, interleaved)
+    _fold(call, state, q, 0, seq, list(group.pieces), None, gathered, interleaved)
     note(group.lanes, group.width)
     return tuple(xp.permute_dims(xp.reshape(x, (kv, lanes, g, seq, int(x.shape[-1]))),
                                  (1, 0, 2, 3, 4)) for x in (state.m, state.l, state.acc))

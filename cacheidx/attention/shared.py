@@ -2,24 +2,25 @@
 every prefix read once, on every path (attention's law 2 all the same: only the order of the
 sums changes).
 
-Where the runs do not read an eager call (a hole, scattered pages, a draft, pools of two
-sizes: :mod:`.runs`), the tiles still read a prefix several lanes share once for all of them:
-the host finds the groups by the runs' rules (:func:`~.runplan.prefixes`: lanes whose tables
-name the same slots from column 0, every query of each seeing every one of those columns; as
-a gather, a prefix of scattered pages too), and each group's prefix is read a tile at a time
-against all its lanes' queries stacked as one lane's heads (Hydragen's and FlashInfer's
-cascade). Each lane's state over its prefix is merged into the state over its own columns
-(:meth:`~.softmax.Online.merge`, exact), which the tiles read from its group's width on
+Where the runs do not read an eager call (a hole, a lane's own columns on scattered pages, a
+draft, pools of two sizes: :mod:`.runs`), the tiles still read a prefix several lanes share
+once for all of them: the host finds the groups by the runs' rules (:func:`~.runplan.prefixes`:
+lanes whose tables name the same slots from column 0, every query of each seeing every one of
+those columns; as a gather, a prefix of scattered pages too), and each group's prefix is read a
+tile at a time against all its lanes' queries stacked as one lane's heads (Hydragen's and
+FlashInfer's cascade). Each lane's state over its prefix is merged into the state over its own
+columns (:meth:`~.softmax.Online.merge`, exact), which the tiles read from its group's width on
 (:func:`.tiles.read`'s ``offsets``). The groups are part of the index's plan, found once for
 every layer.
 
-Traced (a compiled step's standard tiles: torch under autograd or on a GPU, JAX's selections,
-a step the user jits whole) there are no values to find groups in: each lane reads its prefix
-as its own, the law the same.
+Traced (a compiled step's standard tiles: torch under autograd or on a GPU, JAX's selections, a
+step the user jits whole) there are no values to find groups in: each lane reads its prefix as
+its own, the law the same.
 
 Every path that reads a prefix once for the lanes sharing it says so (:func:`note`): the runs'
-views, JAX's eager program and the tiles here. Within :func:`counted` the prefixes read are
-recorded, as ``(lanes, width)``: what the conformance law and the tests count.
+views and gathered tiles, JAX's eager program and the tiles here. Within :func:`counted` the
+prefixes read are recorded, as ``(lanes, width)``: what the conformance law and the tests
+count.
 """
 
 from __future__ import annotations

@@ -284,9 +284,9 @@ def sharing_cases() -> dict:
     """Indices whose lanes share a prefix, each with the prefixes read once for the lanes
     sharing them (lanes, shared columns), as ``(pos, table, row, window, draft, groups)``:
     pages 0-4 (and 10-14) are prefixes, every lane's sixth page its own. The runs read the
-    first cases' prefixes as views; the tiles those of the last three (a hole, which the runs
-    leave to them, is where a prefix ends; a draft; a prefix of 18 pages in reverse order, too
-    scattered for views)."""
+    first cases' prefixes as views, and the last (a prefix of 18 pages in reverse order, too
+    scattered for views) as gathered tiles; the tiles those of a hole (which the runs leave to
+    them: it is where a prefix ends) and a draft."""
     one = [_pages(0, 1, 2, 3, 4, 5 + b) for b in range(4)]
     two = [_pages(0, 1, 2, 3, 4, 20 + b) for b in range(2)] + [
         _pages(10, 11, 12, 13, 14, 22 + b) for b in range(2)]
@@ -345,8 +345,9 @@ def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Ca
     """Lanes whose tables name the same slots from column 0 and whose every query sees them
     read that prefix once for all of them, on every path (the prefixes each call reads once,
     counted: all lanes under one prefix, two groups, a lane whose window starts inside it, a
-    padding lane, lanes naming one sequence, through the runs' views; a prefix ending at a
-    hole, a draft and a prefix of scattered pages through the tiles) and attend's output is
+    padding lane, lanes naming one sequence, through the runs' views; a prefix of scattered
+    pages through the runs' gathered tiles; a prefix ending at a hole and a draft through the
+    tiles) and attend's output is
     softmax attention over extend's seen all the same, its pools extend's bit for bit.
     Compiled: the first case, one program (:func:`read_once` says which compiled paths read
     it once, and why the others cannot)."""
