@@ -10,7 +10,8 @@ layers, its GGUF file, ``long_context.load("smollm2")``) at 8 lanes under 4k
 engine starts from the same cache: the prefix's keys and values (random) written once into
 cacheidx's pools, on pages every lane's table names, and each lane's own 64 tokens on pages of
 its own (pages of 16 slots; the own pages of the lanes interleaved, as a server's allocator
-leaves them); transformers' static cache holds each lane's prefix and own tokens as a copy. A
+leaves them; with ``--shuffled`` the prefix's pages too are in a shuffled order);
+transformers' static cache holds each lane's prefix and own tokens as a copy. A
 decode step is one forward of one token per lane and its argmax under
 ``torch.inference_mode()`` (JAX: eager, each attend its jitted program), the index
 ``advance()``d each step (its plan carried), one thread; the rate is the lanes over the median
@@ -26,6 +27,7 @@ what looking costs.
     python benchmarks/shared_prefix.py [--json PATH] [--quick] [--prefixes 1024 4096 16384]
                                        [--lanes 8 32] [--steps N] [--engines NAME ...]
                                        [--smollm2-prefixes 4096 ...] [--smollm2]
+                                       [--shuffled]
 """
 
 from __future__ import annotations
@@ -49,14 +51,21 @@ def say(msg: str) -> None:
     print(f"    {msg}", flush=True)
 
 
+#: the order of the shared prefix's pages: in order, or shuffled (``--shuffled``)
+PREFIX_PAGES = {"shuffled": False}
+
+
 def layout(lanes: int, prefix: int, steps: int, shared: bool):
     """``(table, slots, own)``: each lane's row of slots (the prefix's pages, shared or each
     lane's own, then its own pages for its 64 tokens and the steps), the pool's slots, and the
-    pages each lane owns."""
+    pages each lane owns. The shared prefix's pages are in order, or shuffled where
+    :data:`PREFIX_PAGES` says (every lane's table naming the same order)."""
     pp = -(-prefix // PAGE)
     op = -(-(OWN + steps + 2) // PAGE)
     rows, nxt = [], 0
     base = list(range(pp))
+    if PREFIX_PAGES["shuffled"]:
+        base = [int(q) for q in np.random.default_rng(7).permutation(pp)]
     nxt = pp
     own_pages = [[] for _ in range(lanes)]
     for _ in range(op):  # own pages interleaved across lanes, as an allocator hands them out
@@ -300,7 +309,11 @@ def main(argv=None) -> int:
                    help="only the real SmolLM2-135M-Instruct, not the 2-layer shape")
     p.add_argument("--no-unshared", action="store_true",
                    help="leave out the batch that shares nothing")
+    p.add_argument("--shuffled", action="store_true",
+                   help="the shared prefix on pages in a shuffled order, as a long-running "
+                        "server's allocator leaves a prompt's pages")
     args = p.parse_args(argv)
+    PREFIX_PAGES["shuffled"] = args.shuffled
     if args.quick:
         args.prefixes, args.lanes, args.steps, args.smollm2_prefixes = [1024], [8], 4, []
     bw = lc.bandwidth()

@@ -703,3 +703,28 @@ def test_head_major_products_give_the_standards_output(seq, inference):
         # not donated, the new pool keeps the memory order of the old
         assert layout.head_major(kpool) == (lay == "head")
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_host_read_of_a_head_major_pool_is_the_token_major_one():
+    """The read plan's rows of a head-major CPU pool (each head's rows gathered from its own
+    block) are the same rows as of the same pool token-major, the slots a plan does not see
+    zero, and come back head-major."""
+    import numpy as np
+    import torch
+
+    from cacheidx import backends
+    from cacheidx.attention import layout
+
+    be = backends.get("torch")
+    rng = np.random.default_rng(2)
+    values = torch.as_tensor(rng.standard_normal((50, 3, 8), dtype=np.float32))
+    head = layout.zeros(be.xp, 50, 3, 8, dtype=torch.float32, layout="head")
+    head[...] = values
+    assert layout.head_major(head) and not layout.head_major(values)
+    slots = torch.tensor([7, 3, 49, 0, 3, 12])
+    ok = torch.tensor([True, True, False, True, True, True])
+    plan = be.read_plan(slots, ok, 50)
+    got, want = be.read(head, plan), be.read(values, plan)
+    assert torch.equal(got, want)
+    assert torch.equal(want[2], torch.zeros(3, 8)) and torch.equal(want[1], values[3])
+    assert got.stride(1) > got.stride(0), "the rows of a head-major pool stay head-major"

@@ -88,7 +88,13 @@ class HostRead(NamedTuple):
     unseen: Any = None
 
     def read(self, pool: Any) -> Any:
-        got = pool.index_select(0, self.safe)
+        if pool.ndim == 3 and pool.stride(1) >= pool.shape[0] * pool.stride(0) > 0:
+            # a head-major pool: each head's rows gathered from its own block, kept head-major
+            # (a select along the slots of the strided view runs at half the speed, and leaves
+            # the tile token-major for the products that read it head by head)
+            got = pool.permute(1, 0, 2).index_select(1, self.safe).permute(1, 0, 2)
+        else:
+            got = pool.index_select(0, self.safe)
         return got if self.unseen is None else got.index_fill_(0, self.unseen, 0)
 
 
