@@ -512,17 +512,18 @@ def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, d
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4])
 @pytest.mark.parametrize("backend", ["numpy", "strict", "torch"])
-def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, shared_reads,
+def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, bits, shared_reads,
                                                                  monkeypatch):
     """A prefix of 18 pages in reverse order (too scattered for views): the runs read it once
     for its three lanes as gathered tiles (of at most ``SCATTERED`` columns: 100 here, so three
     tiles), each gathered through the backend's read plan, and the output is the unshared
-    call's, its pools bit for bit."""
+    call's, its pools (float, or ``bits`` codes and scales) bit for bit."""
     import numpy as np
 
     import cacheidx as ci
-    from cacheidx import backends
+    from cacheidx import backends, quantized
     from cacheidx.attention import runplan
 
     on = backends.get(backend)
@@ -547,6 +548,8 @@ def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, shared
     rng = np.random.default_rng(3)
     arrays = [arr(rng.standard_normal(s).astype(np.float32), on.xp.float32) for s in (
         (3, 1, HEADS, DIM), (3, 1, KV, DIM), (3, 1, KV, DIM), (n, KV, DIM), (n, KV, DIM))]
+    if bits is not None:
+        arrays[3:] = [quantized.Quantized(*quantized.quantize(p, bits)) for p in arrays[3:]]
     got = ix.attend(*arrays)
     assert len(shared_reads) == 1, "the runs did not read the prefix once"
     with runs.unshared():
@@ -557,4 +560,5 @@ def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, shared
 
     np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5)
     for a, b in zip(got[1:], alone[1:]):
-        assert np.array_equal(host(a), host(b))
+        for x, y in zip(quantized.parts(a), quantized.parts(b)):
+            assert np.array_equal(host(x), host(y)), "a pool's parts"
