@@ -68,8 +68,7 @@ def applies(call: Any) -> bool:
     if torch is not None and isinstance(q, torch.Tensor):
         if any(a.device.type != "cpu" for a in arrays):
             return False
-        if torch.is_grad_enabled() and any(
-                a.requires_grad for a in (*arrays, call.sinks) if a is not None):
+        if native.grad_asked(*arrays, call.sinks):
             return False  # no backward of its own: autograd follows the core's products
     elif not all(isinstance(a, np.ndarray) for a in arrays):
         return False

@@ -43,7 +43,8 @@ and the core's products read the runs and the pools (:mod:`.found`).
 from __future__ import annotations
 
 from .found import kernel, off
+from .memory import grad_asked
 from .pages import THREADED, paged, threads
 from .rows import ROWS, states
 
-__all__ = ["ROWS", "THREADED", "kernel", "off", "paged", "states", "threads"]
+__all__ = ["ROWS", "THREADED", "grad_asked", "kernel", "off", "paged", "states", "threads"]

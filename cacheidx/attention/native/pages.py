@@ -13,7 +13,7 @@ import numpy as np
 
 from ... import pools
 from . import found
-from .memory import memory
+from .memory import grad_asked, memory
 from .rows import ROWS
 
 __all__ = ["KINDS", "THREADED", "WIDEST", "paged", "threads"]
@@ -95,9 +95,8 @@ def paged(q: Any, table: np.ndarray, start: np.ndarray, stop: np.ndarray, kpool:
         return None
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(q, torch.Tensor)
-    if is_torch and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (
-            q, *pools.parts(kpool), *pools.parts(vpool))):
-        return None  # no backward of its own: autograd follows the core's products instead
+    if grad_asked(q, *pools.parts(kpool), *pools.parts(vpool)):
+        return None
     if is_torch:
         q = q.contiguous()
         m, l, acc = (torch.empty((lanes, kv, g), dtype=torch.float32),

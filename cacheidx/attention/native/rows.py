@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import found
-from .memory import memory
+from .memory import grad_asked, memory
 
 __all__ = ["ROWS", "states"]
 
@@ -39,9 +39,8 @@ def states(q: Any, keys: Any, values: Any) -> tuple[Any, Any, Any] | None:
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(q, torch.Tensor)
     (kc, ks), (vc, vs) = keys, values
-    if is_torch and torch.is_grad_enabled() and any(
-            getattr(x, "requires_grad", False) for x in (q, kc, ks, vc, vs)):
-        return None  # no backward of its own: autograd follows the core's products instead
+    if grad_asked(q, kc, ks, vc, vs):
+        return None
     if is_torch:
         q = q.contiguous()
         if q.dtype != torch.float32:
