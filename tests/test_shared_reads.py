@@ -10,6 +10,9 @@ users' paths, and each path's reads where the law's cases do not reach them.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import pytest
 
 from cacheidx.attention import runs
@@ -17,6 +20,18 @@ from cacheidx.models import llama
 from cacheidx.serve import Engine, LlamaModel, Request
 
 SYSTEM = [(7 * i + 3) % 60 + 1 for i in range(96)]  # six pages of 16: a shared prompt
+
+
+def placed(on, a, dtype=None):
+    """``a`` (nested lists, a NumPy array) as an array of backend ``on``: of ``dtype``, or int64
+    where it holds integers and bool otherwise."""
+    a = np.asarray(a)
+    return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool), None)
+
+
+def host(x):
+    """``x`` as a NumPy array (a tensor detached, any other library's through DLPack)."""
+    return np.asarray(x.detach() if hasattr(x, "detach") else np.from_dlpack(x))
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -129,8 +144,6 @@ def jax_call(pos, table, drafted, seed, *, bits=None):
     """A JAX index over ``table`` and a call's queries, keys, values and pools (quantized to
     ``bits`` where given), drawn from ``seed``."""
     jnp = pytest.importorskip("jax.numpy")
-    import numpy as np
-
     import cacheidx as ci
     from cacheidx import quantized
 
@@ -182,7 +195,6 @@ def jax_programs(monkeypatch):
 def assert_same_call(shared, alone, what):
     """Outputs within float32's few roundings of each other (only the order of the sums
     differs), pools bit for bit."""
-    import numpy as np
 
     from cacheidx.quantized import parts
 
@@ -284,8 +296,6 @@ def test_sharing_names_what_the_runs_read_once_and_the_tiles_read_a_drafts_prefi
     columns the tiles read) it names none, and the tiles read the prefix once; under a
     selection and on a whole or packed index nothing is read once. (runs.sharing raised
     NumPy's broadcast error on a draft.)"""
-    import numpy as np
-
     import cacheidx as ci
     from cacheidx import backends
     from cacheidx.attention import shared
@@ -294,10 +304,7 @@ def test_sharing_names_what_the_runs_read_once_and_the_tiles_read_a_drafts_prefi
     pos, table, _, _ = jax_cases()["a draft"]  # JAX's program reads its prefix once
     n = max(max(row) for row in table) + 1
 
-    def arr(a, dtype=None):
-        a = np.asarray(a)
-        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
-                            None)
+    arr = functools.partial(placed, on)
 
     chunk = ci.make(arr(pos), arr(table))
     slots = np.asarray(table)[np.arange(len(pos))[:, None], np.asarray(pos)]
@@ -360,8 +367,6 @@ def test_the_tiles_read_a_shared_prefix_once_and_attend_as_without(backend, what
     ``runs.unshared()``), each lane's own tiles from its group's width on, and the output is
     the unshared call's, its pools bit for bit. ``capped``: a softcap and sinks, and
     ``tile=24`` (an 80-column prefix in three tiles and a rest of 8)."""
-    import numpy as np
-
     import cacheidx as ci
     from cacheidx import backends
     from cacheidx.attention import shared
@@ -373,10 +378,7 @@ def test_the_tiles_read_a_shared_prefix_once_and_attend_as_without(backend, what
     pos, table, drafted, groups = tiles_cases()[what]
     n = max(max(row) for row in table) + 1
 
-    def arr(a, dtype=None):
-        a = np.asarray(a)
-        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
-                            None)
+    arr = functools.partial(placed, on)
 
     ix = ci.make(arr(pos), arr(table))
     if drafted:
@@ -395,9 +397,6 @@ def test_the_tiles_read_a_shared_prefix_once_and_attend_as_without(backend, what
     with runs.unshared():
         alone = ix.attend(*arrays, **options)
     assert read == groups, "runs.unshared() still shared"
-
-    def host(x):
-        return np.asarray(x.detach() if hasattr(x, "detach") else np.from_dlpack(x))
 
     np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5,
                                err_msg=f"{what}: the output")
@@ -426,8 +425,6 @@ def test_the_tiles_read_a_quantized_prefix_once_as_without(backend, bits):
     """Quantized pools through the tiles (two groups past a hole): each group's codes and
     scales read once, the output the unshared call's, the pools' codes and scales bit for
     bit."""
-    import numpy as np
-
     import cacheidx as ci
     from cacheidx import backends, quantized
     from cacheidx.attention import shared
@@ -437,8 +434,7 @@ def test_the_tiles_read_a_quantized_prefix_once_as_without(backend, bits):
     n = max(max(row) for row in table) + 1
     rng = np.random.default_rng(bits)
 
-    def arr(a, dtype):
-        return on.from_host(np.asarray(a), dtype, None)
+    arr = functools.partial(placed, on)
 
     ix = ci.make(arr(pos, on.xp.int64), arr(table, on.xp.int64))
     q, k, v, kpool, vpool = (arr(rng.standard_normal(s).astype(np.float32), on.xp.float32)
@@ -450,9 +446,6 @@ def test_the_tiles_read_a_quantized_prefix_once_as_without(backend, bits):
     with runs.unshared(), shared.counted() as none:
         alone = ix.attend(q, k, v, kpool, vpool, tile=24)
     assert reads == groups and none == [], f"read once {reads}, unshared {none}"
-
-    def host(x):
-        return np.asarray(x.detach() if hasattr(x, "detach") else x)
 
     np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5)
     for a, b in zip(got[1:], alone[1:]):
@@ -472,7 +465,6 @@ def test_a_long_shared_run_is_torchs_fused_call_and_attends_as_numpy(poisoned, d
     lane, as the law (and NumPy) has them, the other head's NumPy's. Values of a narrower head
     than the keys': the fused call (one head size for all three) declines, the products
     read it."""
-    import numpy as np
     import torch
 
     import cacheidx as ci
@@ -520,8 +512,6 @@ def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, bits, 
     for its three lanes as gathered tiles (of at most ``SCATTERED`` columns: 100 here, so three
     tiles), each gathered through the backend's read plan, and the output is the unshared
     call's, its pools (float, or ``bits`` codes and scales) bit for bit."""
-    import numpy as np
-
     import cacheidx as ci
     from cacheidx import backends, quantized
     from cacheidx.attention import runplan
@@ -532,10 +522,7 @@ def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, bits, 
     pos = [[290], [291], [295]]
     n = max(max(row) for row in table) + 1
 
-    def arr(a, dtype=None):
-        a = np.asarray(a)
-        return on.from_host(a, dtype or (on.xp.int64 if a.dtype.kind == "i" else on.xp.bool),
-                            None)
+    arr = functools.partial(placed, on)
 
     ix = ci.make(arr(pos), arr(table))
     groups = runplan.prefixes(np.asarray(table), np.ones((3, len(table[0])), bool),
@@ -554,9 +541,6 @@ def test_the_runs_read_a_scattered_prefix_once_as_gathered_tiles(backend, bits, 
     assert len(shared_reads) == 1, "the runs did not read the prefix once"
     with runs.unshared():
         alone = ix.attend(*arrays)
-
-    def host(x):
-        return np.asarray(x.detach() if hasattr(x, "detach") else np.from_dlpack(x))
 
     np.testing.assert_allclose(host(got[0]), host(alone[0]), rtol=1e-5, atol=1e-5)
     for a, b in zip(got[1:], alone[1:]):
