@@ -42,9 +42,10 @@ def quantize(x: np.ndarray, bits: int, scale_dtype: Any = np.float32
     """``(codes, scales)`` of rows ``x`` ``[..., d]`` as law Q1 states them: per row, in
     float32, ``a = max|x|``, ``s = float32(a * float32(1 / Q))`` rounded to ``scale_dtype``,
     ``c = clip(round(x * float32(1 / s)), -Q, Q)`` from that rounded scale, rounding half to
-    even (NumPy's ``round``); an all-zero row (or one whose scale rounds to zero) scale 0 and
-    codes 0; a row holding NaN or an infinity scale NaN and codes 0. At 4 bits byte ``i`` holds
-    ``c_i + 8`` in its low nibble and ``c_{i + d/2} + 8`` in its high one."""
+    even (NumPy's ``round``); an all-zero row (or one whose float32 scale falls below float32's
+    smallest normal, or rounds to zero) scale 0 and codes 0; a row holding NaN or an infinity
+    scale NaN and codes 0. At 4 bits byte ``i`` holds ``c_i + 8`` in its low nibble and
+    ``c_{i + d/2} + 8`` in its high one."""
     q = LARGEST[bits]
     x = np.asarray(x).astype(np.float32)
     rows = x.reshape(-1, x.shape[-1])
@@ -57,6 +58,8 @@ def quantize(x: np.ndarray, bits: int, scale_dtype: Any = np.float32
             scales[r] = np.nan  # codes stay 0: the row reads as NaN throughout
             continue
         s = np.float32(a * inverse)  # a float32 product, rounded once
+        if s < np.finfo(np.float32).smallest_normal:
+            s = np.float32(0)  # Q1: below float32's smallest normal a scale is zero
         with np.errstate(over="ignore"):
             s = scales[r] = np.float32(np.asarray(s).astype(scale_dtype))  # as stored
         if s == 0:
