@@ -45,6 +45,8 @@ class Structure(NamedTuple):
     window: int | None  #: the window, None when unset
     columns: bool  #: whether a selection is present
     draft: bool  #: whether a draft is present
+    #: the groups a hint of shared prefixes names (:meth:`CacheIndex.share`), 0 without one
+    shared: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +65,10 @@ class CacheIndex:
     columns: Any = None
     draft_slots: Any = None
     draft_sees: Any = None
+    #: a hint of the lanes sharing prefixes (:meth:`share`), for a program traced whole:
+    #: each lane's group ``[batch]`` (-1: none) and each group's width ``[groups]``
+    share_lanes: Any = None
+    share_widths: Any = None
     #: the adapter of the tensors' library (its :class:`~cacheidx.backends.Arrays`); static,
     #: so a compiler never looks it up
     backend: backends.Arrays = dataclasses.field(default=None, repr=False)
@@ -110,6 +116,7 @@ class CacheIndex:
             window=self.window_size,
             columns=self.columns is not None,
             draft=self.draft_slots is not None,
+            shared=0 if self.share_widths is None else int(self.share_widths.shape[0]),
         )
 
     def __getstate__(self) -> dict:
@@ -148,6 +155,8 @@ class CacheIndex:
             parts.append(f"select={self.columns.shape[-1]}")
         if s.draft:
             parts.append("draft")
+        if s.shared:
+            parts.append(f"shared={s.shared}")
         return f"CacheIndex({', '.join(parts)})"
 
     # -- derived indices --------------------------------------------------------------------
@@ -385,6 +394,21 @@ class CacheIndex:
 
         return attend(self, q, k, v, kpool, vpool, scale=scale, softcap=softcap, sinks=sinks,
                       donate=donate, tile=tile)
+
+    def share(self, groups: int = 1) -> CacheIndex:
+        """This index with a hint of the ``groups`` groups of lanes sharing a prefix that read
+        the most columns once, found on the host's values, for a program traced whole (a step
+        the user jits or compiles with the index as its argument), which has no values to find
+        them in. Eager calls find their groups themselves and need none. The program checks
+        the hint against the index it is given (a lane that does not keep its group's columns
+        reads its prefix as its own), so attend's law holds for every value of it, and one
+        program serves every value; ``advance()`` and the derived indices keep it.
+        ``groups=0``: the index without one.
+
+        A facade: it is :func:`cacheidx.attention.share`, which says what it raises."""
+        from .attention import share  # the floor above, as attend's facade (pyproject says)
+
+        return share(self, groups)
 
     def _one_call(self, fn: Callable[..., Any], *args: Any, donated: int | None = None,
                  static: int | None = None) -> Any:

@@ -17,13 +17,14 @@ __all__ = ["fields", "leaf_names", "leaves", "map", "node", "rebuild"]
 
 def leaves(index: Any) -> list[Any]:
     """The index's tensors in the spec's walk order: row, positions, table, tables of blocks,
-    selection, draft slots, draft sees (each where present)."""
+    selection, draft slots, draft sees, the hint of shared prefixes (each where present)."""
     found = [index.row] if index.row is not None else []
     found.append(index.pos)
     if index.table is not None:
         found.append(index.table)
     found.extend(b for _, b in index.blocks)
-    for part in (index.columns, index.draft_slots, index.draft_sees):
+    for part in (index.columns, index.draft_slots, index.draft_sees, index.share_lanes,
+                 index.share_widths):
         if part is not None:
             found.append(part)
     return found
@@ -39,9 +40,10 @@ def fields(structure: Any, tensors: Any) -> dict[str, Any]:
     blocks = tuple((m, next(it)) for m in structure.blocks)
     columns = next(it) if structure.columns else None
     slots, sees = (next(it), next(it)) if structure.draft else (None, None)
+    lanes, widths = (next(it), next(it)) if structure.shared else (None, None)
     return dict(kind=structure.kind, pos=pos, table=table, row=row, blocks=blocks,
                 block=structure.every, window_size=structure.window, columns=columns,
-                draft_slots=slots, draft_sees=sees)
+                draft_slots=slots, draft_sees=sees, share_lanes=lanes, share_widths=widths)
 
 
 def rebuild(structure: Any, tensors: Any, *, backend: Any = None, plan: Any = None) -> Any:
@@ -83,6 +85,8 @@ def leaf_names(structure: Any) -> list[str]:
         names.append("columns")
     if structure.draft:
         names += ["draft.slots", "draft.sees"]
+    if structure.shared:
+        names += ["shared.lanes", "shared.widths"]
     return names
 
 

@@ -93,16 +93,19 @@ PINNED = {"batch", "seq", "context", "structure", "positions", "extend", "mask",
           "to_device", "attend", "window", "select", "draft", "every", "advance"}
 #: its fields: the spec's parts, its backend, and what the host keeps of it (``plan``, and
 #: ``known``, the host's values of its tensors: issue 36's host-first plans), neither copied by
-#: ``dataclasses.replace``
+#: ``dataclasses.replace``, and the hint of shared prefixes (``share_lanes``, ``share_widths``)
 FIELDS = {"kind", "pos", "table", "row", "blocks", "block", "window_size", "columns",
-          "draft_slots", "draft_sees", "backend", "plan", "known"}
+          "draft_slots", "draft_sees", "backend", "plan", "known", "share_lanes",
+          "share_widths"}
 #: nothing more: what it was asked for beside them is a function of the module holding its
 #: concern. Its library and device are its backend's (``index.backend.xp``,
 #: ``index.backend.device(index.pos)``); the padding law every layer reads is cacheidx.masks'
 #: ``valid``; its tensors are cacheidx.pytree's ``leaves``, the index over them its
 #: ``rebuild``, over tensors made of them its ``map``; the host's values of them are
 #: cacheidx.plan's ``host`` and ``refilled``, the plan made of them its ``follow``/``planned``
-KEPT: set[str] = set()
+#: beyond API.md: ``share``, the hint of shared prefixes a program traced whole reads (two
+#: fields above, its tensors), a facade over cacheidx.attention.shared as ``attend`` is
+KEPT: set[str] = {"share"}
 
 
 def test_the_index_keeps_its_fields_and_the_members_it_names():

@@ -10,6 +10,7 @@ users' paths, and each path's reads where the law's cases do not reach them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -178,9 +179,9 @@ def jax_programs(monkeypatch):
     traced, prefixes = [], []
     looped, prefix = path._looped, path._prefix
 
-    def counted(call, share=()):
+    def counted(call, share=(), hint=False):
         traced.append(share)  # Python runs only while JAX traces: once per program
-        return looped(call, share)
+        return looped(call, share, hint)
 
     def read_once(call, q, row, lanes, read):
         prefixes.append((lanes, int(row.shape[0])))
@@ -285,6 +286,189 @@ def test_the_jax_engine_gives_the_same_tokens_with_shared_reads(jax_programs):
     made = len(traced)
     assert got == serve("jax", reqs, share=False)
     assert all(share == () for share in traced[made:]), "runs.unshared() still shared"
+
+
+# -- a step jitted whole reads the hint's prefixes once ------------------------------------------
+def hinted(ix, groups):
+    """``ix.share(groups)``'s hint on the host: each lane's group and each group's width."""
+    shared = ix.share(groups)
+    return shared, np.asarray(shared.share_lanes).tolist(), np.asarray(shared.share_widths).tolist()
+
+
+@pytest.mark.parametrize("what", list(jax_cases()))
+def test_a_jax_step_jitted_whole_reads_the_hints_prefixes_once(what):
+    """``index.share()`` names each case's groups and their exact widths (no rounding: they are
+    values); a call jitted whole with the index as its argument reads each group's prefix once
+    (a note per group as it is traced) and attends as the eager unshared call, its pools bit
+    for bit; without a hint the same program reads none once."""
+    import jax
+
+    from cacheidx.attention import shared as sharing
+
+    pos, table, drafted, groups = jax_cases()[what]
+    ix, arrays = jax_call(pos, table, drafted, seed=len(what) + 7)
+    want_lanes = [-1] * ix.batch
+    for g, (lanes, _) in enumerate(groups):
+        for b in lanes:
+            want_lanes[b] = g
+    hint, lanes, widths = hinted(ix, len(groups))
+    exact = {"a scattered prefix": [288], "a prefix rounded down": [144]}
+    assert lanes == want_lanes and widths == exact.get(what, [w for _, w in groups]), (
+        f"{what}: hint {lanes}, {widths}")
+    with runs.unshared():
+        alone = ix.attend(*arrays)
+    step = jax.jit(lambda ix, *a: ix.attend(*a))
+    with sharing.counted() as reads:
+        got = step(hint, *arrays)
+    assert reads == [((), g) for g in range(len(groups))], f"{what}: read once {reads}"
+    assert_same_call(got, alone, what)
+    with sharing.counted() as reads:
+        assert_same_call(step(ix, *arrays), alone, f"{what}, no hint")
+    assert reads == []
+
+
+def test_any_hint_attends_as_without_and_holds_only_the_lanes_that_keep_it():
+    """Hints drawn at random (each lane's group -1 or one of two, widths 0 to past the table)
+    over the two groups' case: the program jitted once attends as the eager unshared call
+    for every one; :func:`~cacheidx.attention.shared.held` (here on NumPy, eagerly) holds a
+    lane to a group exactly where its table and mask keep the group's first member's slots
+    up to the width, against a slow loop; the index's own hint is what held keeps whole."""
+    import jax
+    import jax.numpy as jnp
+
+    import cacheidx as ci
+    from cacheidx.attention import shared as sharing
+
+    pos, table, _, groups = jax_cases()["two groups and a lane alone"]
+    ix, arrays = jax_call(pos, table, False, seed=11)
+    with runs.unshared():
+        alone = ix.attend(*arrays)
+    step = jax.jit(lambda ix, *a: ix.attend(*a)[0])
+    hint = ix.share(2)
+    rng = np.random.default_rng(5)
+    t, p, n = np.asarray(table), np.asarray(pos), int(arrays[3].shape[0])
+    width = t.shape[1]
+    for draw in range(12):
+        lanes = rng.integers(-1, 2, ix.batch)
+        widths = rng.integers(0, width + 40, 2)
+        given = ci.make(p, t)
+        object.__setattr__(given, "share_lanes", lanes)
+        object.__setattr__(given, "share_widths", widths)
+        member, kept = (np.asarray(x) for x in sharing.held(given, n))
+        for g in range(2):
+            mine = np.flatnonzero(lanes == g)
+            w = min(int(widths[g]), width)
+            lead = mine[0] if mine.size else 0
+            want = [bool(lanes[b] == g and np.all(t[b, :w] == t[lead, :w])
+                         and np.all(p[b, 0] >= np.arange(w))) for b in range(ix.batch)]
+            assert member[g].tolist() == want, f"draw {draw}, group {g}"
+            assert kept[g] == (w if any(want) else 0)
+        probe = dataclasses.replace(hint, share_lanes=jnp.asarray(lanes, dtype=jnp.int32),
+                                    share_widths=jnp.asarray(widths, dtype=jnp.int32))
+        np.testing.assert_allclose(np.asarray(step(probe, *arrays)), np.asarray(alone[0]),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"draw {draw}")
+    member, kept = (np.asarray(x) for x in sharing.held(ci.make(p, t).share(2), n))
+    assert [tuple(np.flatnonzero(m)) for m in member] == [g for g, _ in groups]
+    assert kept.tolist() == [w for _, w in groups]
+
+
+def test_a_jitted_decode_loop_keeps_its_hint_and_its_gradients():
+    """A decode step jitted whole, its index advanced inside the program: one program for six
+    steps, the hint kept by ``advance()`` (the table and groups unchanged), each step's output
+    the eager unshared call's; ``jax.grad`` through the hinted program equals it through the
+    program without a hint."""
+    import jax
+    import jax.numpy as jnp
+
+    pos, table, _, _ = jax_cases()["one group"]
+    ix, (q, k, v, kpool, vpool) = jax_call(pos, table, False, seed=2)
+    traces = []
+
+    def decode(ix, q, k, v, kpool, vpool):
+        traces.append(1)
+        out, kpool, vpool = ix.attend(q, k, v, kpool, vpool)
+        return out, kpool, vpool, ix.advance()
+
+    step = jax.jit(decode)
+    hint = ix.share()
+    for n in range(6):
+        with runs.unshared():
+            alone = ix.attend(q, k, v, kpool, vpool)
+        out, kpool, vpool, hint = step(hint, q, k, v, kpool, vpool)
+        assert_same_call((out, kpool, vpool), alone, f"step {n}")
+        assert np.asarray(hint.share_widths).tolist() == [80]
+        ix = ix.advance()
+    assert len(traces) == 1, f"{len(traces)} programs for six steps"
+    loss = jax.jit(lambda ix, q: jnp.sum(ix.attend(q, k, v, kpool, vpool)[0] ** 2))
+    np.testing.assert_allclose(np.asarray(jax.grad(loss, argnums=1)(ix.share(), q)),
+                               np.asarray(jax.grad(loss, argnums=1)(ix, q)), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_share_keeps_the_pytree_and_refuses_naming_itself(backend):
+    """The hint is two leaves of the index's pytree (its walk names them, its structure counts
+    its groups), kept by a flatten and unflatten of the backend's registry, by ``advance()``
+    and the derived indices; ``share(0)`` drops it; a whole index, a traced one and a negative
+    count are refused naming ``share``."""
+    import cacheidx as ci
+    from cacheidx import backends, pytree
+
+    pytest.importorskip(backend)
+    on = backends.get(backend)
+    dtype = on.xp.int32 if backend == "jax" else None  # JAX without x64
+    pos, table, _, _ = jax_cases()["one group"]
+    ix = ci.make(placed(on, pos, dtype), placed(on, table, dtype))
+    hint = ix.share(3)
+    assert hint.structure.shared == 3 and ix.structure.shared == 0
+    assert pytree.leaf_names(hint.structure)[-2:] == ["shared.lanes", "shared.widths"]
+    again = pytree.rebuild(hint.structure, pytree.leaves(hint))
+    for a, b in ((again.share_lanes, [0, 0, 0]), (again.share_widths, [80, 0, 0]),
+                 (hint.advance().share_widths, [80, 0, 0]), (hint.window(40).share_lanes,
+                                                             [0, 0, 0])):
+        assert host(a).tolist() == b
+    assert hint.share(0).structure.shared == 0
+    for bad, match in ((lambda: ci.whole(2, 3, xp=backend).share(), "whole index"),
+                       (lambda: ix.share(-1), "at least 0")):
+        with pytest.raises(ValueError, match=r"cacheidx\.share: .*" + match):
+            bad()
+    with pytest.raises(TypeError, match=r"cacheidx\.share: groups"):
+        ix.share(True)
+    if backend == "jax":
+        import jax
+
+        with pytest.raises(ValueError, match=r"cacheidx\.share: a traced index"):
+            jax.jit(lambda ix: ix.share().pos)(ix)
+
+
+def test_the_compiled_jax_engine_reads_the_hints_prefix_once():
+    """The JAX engine compiled (its decode step jitted whole) over samples of one prompt and
+    requests under one system prompt: each decode program is traced with the hint and reads
+    its group's prefix once (the hints name the shared prompt's pages), and the tokens are the
+    same with shared reads off (the hints then name no prefix, so the same programs read
+    none once)."""
+    pytest.importorskip("jax")
+    import cacheidx.attention as attention
+    from cacheidx.attention import shared as sharing
+
+    hints, real = [], attention.share
+
+    def noted(index, groups=1):
+        got = real(index, groups)
+        hints.append(int(np.asarray(got.share_widths).max()))
+        return got
+
+    reqs = [Request(k, p, 4) for k, p in enumerate(prompts(3))]
+    reqs.append(Request("samples", SYSTEM + [7, 8, 9], 4, n=2))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "share", noted)
+        with sharing.counted() as reads:
+            got = serve("jax", reqs, compile=True)
+        assert reads and set(reads) == {((), 0)}, f"read once: {reads}"
+        assert max(hints) >= len(SYSTEM), f"the hints' widths: {hints}"
+        made = len(hints)
+        assert got == serve("jax", reqs, compile=True, share=False)
+        assert hints[made:] and not any(hints[made:]), f"unshared hints: {hints[made:]}"
 
 
 # -- runs.sharing names what the runs read once --------------------------------------------------

@@ -50,9 +50,10 @@ from .. import backends, pools, storage, validation
 from .. import plan as plans
 from . import runs, shared, tiles
 from .paths import fast
+from .shared import share
 from .softmax import Online, reference, work_dtype
 
-__all__ = ["Call", "attend", "reference", "standard", "stored", "tile_size"]
+__all__ = ["Call", "attend", "reference", "share", "standard", "stored", "tile_size"]
 
 #: the most columns a tile reads at once, so that a tile's keys are O(batch x MOST)
 MOST = 512

@@ -40,7 +40,7 @@ from .. import masks, pools
 from .. import plan as plans
 from ..laws import inside
 from . import runplan
-from .shared import carry, lanes_states, note
+from .shared import carry, held, lanes_states, note
 from .softmax import Online
 
 __all__ = ["JaxPath", "sharing"]
@@ -66,16 +66,19 @@ class JaxPath:
         return (out, call.kpool, call.vpool) if whole else (out, kpool, vpool)
 
 
-def _traced(call: Any, share: Share = ()) -> tuple[Any, Any, Any]:
+def _traced(call: Any, share: Share = (), hinted: bool = True) -> tuple[Any, Any, Any]:
     """``(out, kpool', vpool')`` of a call whose index is traced: the stores, then the table's
-    loop (reading the prefixes of ``share`` once) or the standard tiles."""
+    loop (reading the prefixes of ``share`` once, or, ``hinted``, those of the index's hint)
+    or the standard tiles."""
     from . import standard, stored
 
     index = call.index
     call = stored(call)
     if index.kind != "tabled" or index.columns is not None:
         return standard(call), call.kpool, call.vpool
-    return _looped(call, share), call.kpool, call.vpool
+    hint = (hinted and not share and index.share_widths is not None
+            and index.seq <= runplan.ROWS and int(call.vpool.shape[0]) == int(call.kpool.shape[0]))
+    return _looped(call, share, hint), call.kpool, call.vpool
 
 
 def sharing(index: Any, n: int, heads: int, tile: int | None = None) -> Share:
@@ -144,10 +147,13 @@ def _reader(index: Any) -> Any:
     return read
 
 
-def _looped(call: Any, share: Share = ()) -> Any:
+def _looped(call: Any, share: Share = (), hint: bool = False) -> Any:
     """The output of a traced call over a table (its pools holding its stores): each group of
-    ``share``'s prefix read once (:func:`_prefixes`), then each lane's columns from its offset
-    (its group's width, else 0) in one loop, the prefixes' states merged in."""
+    ``share``'s prefix read once (:func:`_prefixes`), or of the index's hint (``hint``:
+    :func:`_hinted`, the lanes that hold to it), then each lane's columns from its offset (its
+    group's width, else 0) in one loop, the prefixes' states merged in. A hint's offsets are
+    values: the loop then runs as many tiles as the table's width needs and skips, by a
+    ``lax.cond`` (which differentiates), those past every lane's rest."""
     from jax import lax
 
     index = call.index
@@ -158,13 +164,21 @@ def _looped(call: Any, share: Share = ()) -> Any:
     # a sharing lane's columns start past its prefix: the loop spans the longest rest
     span = width - min(offsets)
     size = max(1, min(call.tile_width, span))
+    member = None
+    if hint:
+        member, widths = held(index, int(kpool.shape[0]))
+        off = xp.sum(xp.where(member, widths[:, None], xp.zeros_like(widths[:, None])), axis=0)
+        rest = width - xp.min(off)  # the longest rest of a lane, a value
     draft = index.draft_slots is not None
     state = Online.start(xp, call.q, "lane", int(vpool.shape[-1]), int(kpool.shape[1]),
                          scale=call.scale, softcap=call.softcap)
     state.masked = True  # every tile comes with its mask: each loop step's state is a copy
     state.split = False  # one product: XLA lays out the tile as it likes
     read = _reader(index)
-    off = None if not share else xp.asarray(offsets, dtype=index.pos.dtype)[:, None]
+    if hint:
+        off = off[:, None]
+    else:
+        off = None if not share else xp.asarray(offsets, dtype=index.pos.dtype)[:, None]
 
     def body(i: Any, carry: tuple) -> tuple:
         j = i * size + masks.arange(index, size)[None, :]  # [1, T], or [batch, T] from each offset
@@ -184,9 +198,13 @@ def _looped(call: Any, share: Share = ()) -> Any:
         # the first tile outside the loop: its carry then derives from the call's arrays, so
         # under shard_map it varies over the mesh as the loop's output does
         first = body(0, (state.m, state.l, state.acc))
-        state.m, state.l, state.acc = lax.fori_loop(1, tiles, body, first)
+        step = body if not hint else (lambda i, carry: lax.cond(
+            i * size < rest, body, lambda i, carry: carry, i, carry))
+        state.m, state.l, state.acc = lax.fori_loop(1, tiles, step, first)
     if share:
         state.merge(*_prefixes(call, state.q, table, share, read))
+    if hint:
+        state.merge(*_hinted(call, state.q, table, member, widths, read))
     if draft:
         from .tiles import draft
 
@@ -259,6 +277,60 @@ def _prefix(call: Any, q: Any, row: Any, lanes: tuple[int, ...], read: Any
                                  (1, 0, 2, 3, 4)) for x in got)
 
 
+def _hinted(call: Any, q: Any, table: Any, member: Any, widths: Any, read: Any
+            ) -> tuple[Any, Any, Any]:
+    """Every lane's state ``(m, l, acc)`` over the prefix of the hint's group it holds to
+    (:func:`.shared.held`'s ``member`` and ``widths``, values), ``[batch, kv, g, seq, ...]``,
+    the state of no column for a lane that holds to none. Each group's prefix is read once, a
+    tile of its first member's slots at a time against every lane's queries stacked as one
+    lane's heads (a lane outside the group weighs them, and its state is dropped: the group's
+    members are values, the queries' shape is not), tiles past its width skipped
+    (``lax.cond``). One note a group, as it is traced (:func:`.shared.note`: ``((), g)``, its
+    lanes and width being the program's values)."""
+    from jax import lax
+
+    from . import tile_size
+
+    index = call.index
+    xp = index.backend.xp
+    batch, kv, g, seq, d = q.shape
+    width = int(table.shape[1])
+    stacked = xp.reshape(xp.permute_dims(q, (1, 0, 2, 3, 4)), (1, kv, batch * g, seq, d))
+    state = Online(xp, "lane", stacked, int(call.vpool.shape[-1]), call.softcap, call.q.dtype)
+    state.split = False  # one product: XLA lays out the tile as it likes
+    state.masked = True  # a tile past a group's width sees nothing
+    size = min(call.tile or tile_size(1, seq, batch * kv * g), width)
+    tiles = -(-width // size)
+    dv = int(call.vpool.shape[-1])
+    got = (xp.full((batch, kv, g, seq, 1), -xp.inf, dtype=q.dtype),
+           xp.zeros((batch, kv, g, seq, 1), dtype=q.dtype),
+           xp.zeros((batch, kv, g, seq, dv), dtype=q.dtype))
+    for group in range(int(widths.shape[0])):
+        lead = xp.argmax(xp.astype(member[group], xp.int8))
+        row = xp.reshape(xp.take(table, xp.reshape(lead, (1,)), axis=0), (width,))
+        w = widths[group]
+
+        def fold(i: Any, carry: tuple, row: Any = row, w: Any = w) -> tuple:
+            j = i * size + masks.arange(index, size)
+            at = xp.where(j < width, j, 0)
+            ok = (j < w)[None, :]
+            slots = xp.take(row, at)[None, :]
+            s = dataclasses.replace(state, m=carry[0], l=carry[1], acc=carry[2])
+            s.add(read(call.kpool, slots, ok), read(call.vpool, slots, ok),
+                  xp.broadcast_to(ok[:, None, :], (1, seq, size)))
+            return s.m, s.l, s.acc
+
+        carry = fold(0, (None, None, None))  # outside the loop, as the lanes' first tile
+        carry = lax.fori_loop(1, tiles, lambda i, c, fold=fold, w=w: lax.cond(
+            i * size < w, fold, lambda i, c: c, i, c), carry)
+        mine = member[group][:, None, None, None, None]
+        got = tuple(xp.where(mine, xp.permute_dims(
+            xp.reshape(x, (kv, batch, g, seq, int(x.shape[-1]))), (1, 0, 2, 3, 4)), have)
+            for x, have in zip(carry, got, strict=True))
+        note((), group)
+    return got
+
+
 @cache
 def _jitted(donate: bool) -> Any:
     """A whole call as one program, donating the pools when the call does; ``share`` (the
@@ -269,7 +341,7 @@ def _jitted(donate: bool) -> Any:
 
     def run(index, q, k, v, kpool, vpool, sinks, *, scale, softcap, tile, share):
         call = Call(index, q, k, v, kpool, vpool, scale, softcap, sinks, tile, donate)
-        return _traced(call, share)
+        return _traced(call, share, hinted=False)  # eager: its own groups, exact
 
     return jax.jit(run, static_argnames=("scale", "softcap", "tile", "share"),
                    donate_argnums=(4, 5) if donate else ())

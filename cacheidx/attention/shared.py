@@ -15,7 +15,14 @@ every layer.
 
 Traced (a compiled step's standard tiles: torch under autograd or on a GPU, JAX's selections, a
 step the user jits whole) there are no values to find groups in: each lane reads its prefix as
-its own, the law the same.
+its own, the law the same, unless the index carries a **hint** (:func:`share`,
+``index.share(groups)``): the groups the host found before the program, as values (each
+lane's group, -1 for none, and each group's width, ``groups`` of them, the one static number).
+A program traced whole (JAX's table loop, :mod:`.jax`) reads each group's prefix once for the
+lanes that hold to it, and checks that they do (:func:`held`): a lane whose table or mask
+does not keep its group's columns reads its prefix as its own, so law 2 holds for every value
+of a hint, a stale one included; a hint decides only what is read once. One program serves
+every value of the hint, as of positions and tables.
 
 Every path that reads a prefix once for the lanes sharing it says so (:func:`note`): the runs'
 views and gathered tiles, JAX's eager program and the tiles here. Within :func:`counted` the
@@ -32,13 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import masks
+from .. import _arguments as arguments
+from .. import masks, pytree
 from .. import plan as plans
+from ..laws import inside
 from . import runplan
 from .softmax import Online
 from .tiles import rows
 
-__all__ = ["carry", "counted", "groups", "note", "offsets", "prefix", "states"]
+__all__ = ["carry", "counted", "groups", "held", "note", "offsets", "prefix", "share",
+           "states"]
 
 #: groups of lanes sharing a prefix: ``((lanes, width), ...)``
 Share = tuple[tuple[tuple[int, ...], int], ...]
@@ -94,6 +104,83 @@ def _find(index: Any, n: int, heads: int) -> Share:
     found = runplan.prefixes(table, masks.seen_by_some(on_host), whole, n, index.seq, heads,
                              SCORES, None, views=False)
     return tuple((g.lanes, g.width) for g in found)
+
+
+def share(index: Any, groups: int = 1) -> Any:
+    """``index`` with a hint of the (at most) ``groups`` groups of lanes sharing a prefix that
+    read the most columns once (lanes times width), found on the host's values by the runs'
+    rules (:func:`~.runplan.prefixes`, for pools of any size): each lane's group ``[batch]``
+    (-1: none) and each group's width ``[groups]`` (0 where fewer are found), in the index's
+    integer dtype on its device. ``groups=0``: the index without a hint. Any hint it had is
+    replaced. A call of more than :data:`~.runplan.ROWS` tokens a lane, a selection, a table
+    whose mask the host would not hold, or a call within ``runs.unshared()`` finds none (widths
+    0: a program reads nothing once, whenever it was traced). The derived indices and
+    ``advance()`` keep the hint (each program checks it: :func:`held`).
+
+    Raises ``ValueError`` naming ``share`` on a whole or packed index, a traced one (make the
+    hint before the program, where the values are) or ``groups`` below 0."""
+    fn = "share"
+    groups = arguments.integer(fn, "groups", groups, least=0)
+    if index.kind != "tabled":
+        raise arguments.fail(fn, f"a {index.kind} index has no table to share")
+    if index.backend.tracing(index.pos):
+        raise arguments.fail(fn, "a traced index has no values to find groups in: share it "
+                             "before the program")
+    tensors = pytree.leaves(index)[:len(pytree.leaves(index)) - 2 * index.structure.shared]
+    if not groups:
+        return pytree.rebuild(index.structure._replace(shared=0), tensors,
+                              backend=index.backend)
+    on_host = plans.host(index)
+    table = masks.lane_table(on_host)
+    width = int(table.shape[1])
+    found: list = []
+    if (runplan.shares() and index.columns is None and index.seq <= runplan.ROWS
+            and index.batch * index.seq * width <= runplan.WHOLE):
+        whole = on_host.mask()[:, :, :width]
+        found = runplan.prefixes(table, masks.seen_by_some(on_host), whole,
+                                 np.iinfo(np.int64).max, index.seq, 1, 1 << 22, None,
+                                 views=False)
+    found = sorted(found, key=lambda g: -len(g.lanes) * g.width)[:groups]
+    lanes, widths = np.full(index.batch, -1, np.int64), np.zeros(groups, np.int64)
+    for g, group in enumerate(found):
+        lanes[list(group.lanes)], widths[g] = g, group.width
+    backend, dtype = index.backend, index.pos.dtype
+    device = backend.device(index.pos)
+    nxt = pytree.rebuild(index.structure._replace(shared=groups),
+                         [*tensors, backend.from_host(lanes, dtype, device),
+                          backend.from_host(widths, dtype, device)], backend=backend)
+    held_on_host = pytree.leaves(on_host)
+    # the host's values of every tensor, the hint's as made here: nothing read back later
+    plans.refilled(nxt, [*held_on_host[:len(tensors)], lanes, widths])
+    return nxt
+
+
+def held(index: Any, n: int) -> tuple[Any, Any]:
+    """Of an index with a hint (:func:`share`), over pools of ``n`` slots, in the index's
+    library (a traced program's own arrays): ``(member, widths)``, ``member`` ``[groups,
+    batch]``, whether lane ``b`` reads group ``g``'s prefix once, and ``widths`` ``[groups]``,
+    each group's width (clipped to the table's), 0 where no lane holds to it. Lane ``b`` holds
+    to group ``g`` where its hint names ``g``, and at every column below the width it names
+    the slot the group's first lane names there, inside the pool, and every one of its queries
+    sees the column: the runs' rule, so a lane that holds reads the very columns it would read
+    as its own. Costs ``O(groups * batch * width)`` and one ``[batch, seq, width]`` mask."""
+    xp = index.backend.xp
+    table = masks.lane_table(index)
+    width = int(table.shape[1])
+    cols = masks.arange(index, width)
+    mask = (masks.draft_sees_table(index, cols[None, None, :]) if index.draft_slots is not None
+            else masks.sees_columns(index, cols[None, None, :]))
+    seen = xp.all(mask, axis=1) & masks.seen_by_some(index) & inside(table, n)
+    members, widths = [], []
+    for g in range(int(index.share_widths.shape[0])):
+        mine = index.share_lanes == g
+        w = xp.clip(index.share_widths[g], 0, width)
+        lead = xp.argmax(xp.astype(mine, xp.int8))
+        same = (table == xp.take(table, xp.reshape(lead, (1,)), axis=0)) & seen
+        ok = mine & xp.all((cols[None, :] >= w) | same, axis=1)
+        members.append(ok)
+        widths.append(xp.where(xp.any(ok), w, xp.zeros_like(w)))
+    return xp.stack(members), xp.stack(widths)
 
 
 def offsets(batch: int, share: Share) -> tuple[int, ...]:

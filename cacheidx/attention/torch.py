@@ -140,15 +140,17 @@ def operands(index: Any, kind: str = "floats") -> tuple[str, list[int], int, int
 
 def _encode(structure: Any) -> str:
     """The constant part of an index's :class:`~cacheidx.index.Structure`, as a string."""
-    return f"{structure.kind};{int(structure.row)};{int(structure.columns)};{int(structure.draft)}"
+    return (f"{structure.kind};{int(structure.row)};{int(structure.columns)};"
+            f"{int(structure.draft)};{structure.shared}")
 
 
 def _decode(text: str, blocks: list[int], every: int, window: int) -> Any:
     from ..index import Structure
 
-    kind, row, columns, draft = text.split(";")
+    kind, row, columns, draft, shared = text.split(";")
     return Structure(kind, row == "1", tuple(int(m) for m in blocks), int(every),
-                     None if window == -1 else int(window), columns == "1", draft == "1")
+                     None if window == -1 else int(window), columns == "1", draft == "1",
+                     int(shared))
 
 
 #: a pool's parts (the operator's argument ``pools`` hides the module's name)

@@ -319,13 +319,15 @@ def sharing_cases() -> dict:
 def read_once(case: Case, groups: list, q: Any, compiled: bool) -> list:
     """The prefixes ``case``'s call reads once (``(lanes, width)`` each) where the eager path
     reads ``groups`` once. JAX's eager program rounds a width down (one program for a quarter of
-    an octave of widths: :func:`cacheidx.attention.jax.rounded`). Compiled, torch's operator on
-    the CPU attends eagerly and reads them; a JAX step jitted whole, and torch's traced tiles
-    on a GPU, have no values to find groups in (a group as a static argument would be a
-    program for every grouping, where one program serves every value of positions and
-    tables): each lane reads its prefix as its own."""
+    an octave of widths: :func:`cacheidx.attention.jax.rounded`). Compiled, over the index's
+    hint (``index.share``), torch's operator on the CPU attends eagerly and reads them; a JAX
+    step jitted whole has no values to find groups in, and reads the hint's groups once, each
+    recorded as it is traced as ``((), g)`` (its lanes and width are the program's values);
+    torch's traced tiles on a GPU read none once (they take no hint)."""
     if compiled:
         on_cpu = getattr(getattr(q, "device", None), "type", None) == "cpu"
+        if case.backend.name == "jax":
+            return [((), g) for g in range(len(groups))]
         return groups if case.backend.name == "torch" and on_cpu else []
     if case.backend.name == "jax":
         from ..attention.jax import rounded
@@ -349,8 +351,8 @@ def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Ca
     pages through the runs' gathered tiles; a prefix ending at a hole and a draft through the
     tiles) and attend's output is
     softmax attention over extend's seen all the same, its pools extend's bit for bit.
-    Compiled: the first case, one program (:func:`read_once` says which compiled paths read
-    it once, and why the others cannot)."""
+    Compiled: the first case, one program, over the index with its hint (``index.share``:
+    :func:`read_once` says which compiled paths read it once)."""
     from ..attention import shared
 
     slots = 30 * PAGE
@@ -370,6 +372,7 @@ def law_lanes_sharing_a_prefix_read_it_once_and_attend_as_the_reference(case: Ca
         q = case.array(arrays[0])
         want = read_once(case, groups, q, False)
         if case.compiled:
+            ix = ix.share(len(groups))
             want = want + read_once(case, groups, q, True)
         with shared.counted() as reads:
             check(case, ix, arrays, what, head=seed % 2 == 0)

@@ -48,6 +48,12 @@ Laws of :class:`Step`:
    after the model's (JAX: compiled once per shape; elsewhere the library's eager
    operations), so the model's programs and their count are the greedy engine's. A decode
    call's tokens are fed to the next call whichever chose them.
+10. Compiled, a decode call's index carries the hint of the group of lanes whose shared
+    prefix saves the most reads (``index.share(1)``), found on the host's table, positions
+    and row map (cached while the table's version and the row map stay: a stale hint is read
+    as no hint where a lane no longer keeps it), its two tensors in buffers of their own (law
+    3): a program traced whole (JAX) reads that prefix once for the lanes sharing it; torch's
+    operator finds its groups itself. Eager calls find theirs (their plan).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import numpy as np
 
 import cacheidx as ci
 
-from .. import devices
+from .. import devices, pytree
 from ..devices import to_host
 from ..models import llama
 from ..models.llama import tree_map
@@ -171,6 +177,7 @@ class Step:
         self._buffers: dict[tuple, Any] = {}
         self._tables: dict[int, tuple] = {}  # group -> (columns, version, array, its host's)
         self._fed: _Fed | None = None
+        self._hints: dict[int, tuple] = {}  # group -> (key, lanes, widths): law 10
         self.shapes: dict[str, set] = {"prefill": set(), "decode": set()}
 
     @property
@@ -234,6 +241,9 @@ class Step:
                 for g, (ix, h) in enumerate(zip(indices, hosts, strict=True)):
                     ci.plan.refilled(ix, [rows, pos, h, *(self._tables[-1][3] for _ in every
                                                           if g == 0)])
+        if self.compiled and batch.kind == "decode":  # law 10
+            indices = tuple(self._hinted(g, ix, rows, pos, h, v) for g, (ix, h, v) in
+                            enumerate(zip(indices, hosts, versions, strict=True)))
         index = indices if self.groups is not None else indices[0]
         if self.debug:  # law 5
             for ix in indices:
@@ -324,6 +334,21 @@ class Step:
             if device is None:
                 return buffer
         return self.backend.refill(buffer, source)
+
+    def _hinted(self, group: int, ix: Any, rows: np.ndarray, pos: np.ndarray,
+                table: np.ndarray, version: int) -> Any:
+        """Law 10: ``ix`` with the hint of its lanes' longest shared prefix, found on the host's
+        ``table`` (group ``group``'s, at ``version``), ``pos`` and ``rows``, its tensors in
+        this shape's buffers (law 3)."""
+        key = (version, table.shape, rows.tobytes())
+        kept = self._hints.get(group)
+        if kept is None or kept[0] != key:
+            found = ci.make(pos, table, row=rows).share(1)  # NumPy: the host's own values
+            kept = self._hints[group] = (key, np.asarray(found.share_lanes),
+                                         np.asarray(found.share_widths))
+        tensors = [*pytree.leaves(ix), self._put(f"shared.lanes {group}", kept[1]),
+                   self._put(f"shared.widths {group}", kept[2])]
+        return pytree.rebuild(ix.structure._replace(shared=1), tensors, backend=ix.backend)
 
     def _blocks_of(self, blocks: tuple[np.ndarray, int], columns: int) -> Any:
         """Law 8: the table of blocks' first ``ceil(columns / m)`` columns on the device,
