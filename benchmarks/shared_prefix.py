@@ -3,8 +3,10 @@
 transformers' static cache (each lane a copy of the prefix); and a batch that shares nothing.
 
 The model is ``long_context.py``'s: SmolLM2-135M's shape cut to 2 layers (random weights, the
-same weights on both sides), on torch and on JAX eager (its attend one jitted program per
-structure, the shared groups its static argument); and the real SmolLM2-135M-Instruct (30
+same weights on both sides), on torch, on JAX eager (its attend one jitted program per
+structure, the shared groups its static argument) and on JAX jitted whole (the decode step
+one program with the index its argument, reading the prefix once by the index's hint,
+``index.share()``, or without one); and the real SmolLM2-135M-Instruct (30
 layers, its GGUF file, ``long_context.load("smollm2")``) at 8 lanes under 4k
 (``--smollm2-prefixes``; none leaves it out; ``--smollm2``: that model alone), on torch. Every
 engine starts from the same cache: the prefix's keys and values (random) written once into
@@ -139,6 +141,52 @@ def ci_shared(config, params, layers, first, prefix: int, steps: int, shared: bo
     return lc.timed_steps(step, steps)
 
 
+def ci_jitted(config, params, layers, first, prefix: int, steps: int, hint: bool):
+    """cacheidx on JAX, the whole decode step (forward, argmax, ``advance()``) one program
+    jitted with the index as its argument, as a JAX user writes it: given the index's hint of
+    the shared prefix (``index.share()``, made once before the loop: the program keeps it) or
+    none (each lane reads the prefix as its own)."""
+    import jax
+
+    import cacheidx as ci
+    from cacheidx import devices
+    from cacheidx.models import llama
+
+    be = ci.backends.get("jax")
+    xp = be.xp
+    lanes = len(first)
+    table, slots = layout(lanes, prefix, steps, True)
+    weights = llama.convert(params, xp=xp)
+    n = prefix + OWN
+    at = xp.asarray(table[:, :n].reshape(-1))
+    pools = []
+    for (k, v), empty in zip(layers, llama.empty_pools(config, slots, like=weights["embed"])):
+        pools.append(tuple(be.scatter(pool, at, xp.asarray(x.reshape(lanes * n, *x.shape[2:])),
+                                      donate=True) for x, pool in zip((k, v), empty)))
+    index = ci.make(xp.asarray(np.full((lanes, 1), n - 1)), xp.asarray(table)).advance()
+    index = index.share() if hint else index
+
+    def decode(weights, tokens, index, pools):
+        logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
+                                      last=True)
+        chosen = xp.argmax(logits[:, 0, :], axis=-1)
+        return chosen, pools, index.advance()
+
+    run = jax.jit(decode, donate_argnums=(3,))
+    # committed to the device, as the program's outputs are: uncommitted first inputs would
+    # compile the program a second time at the second step
+    state = jax.device_put({"index": index, "tok": xp.reshape(xp.asarray(first), (lanes, 1)),
+                            "pools": pools}, jax.devices()[0])
+
+    def step():
+        chosen, state["pools"], state["index"] = run(weights, state["tok"], state["index"],
+                                                     state["pools"])
+        state["tok"] = xp.reshape(chosen, (lanes, 1))
+        return devices.to_host(chosen).reshape(-1).tolist()
+
+    return lc.timed_steps(step, steps)
+
+
 def hf_static(model, layers, first, prefix: int, steps: int):
     """transformers' static cache, each lane's prefix its own copy."""
     lc.BATCH = len(first)
@@ -153,6 +201,9 @@ def run_engine(engine: str, model, config, params, layers, first, prefix: int, s
     its name gives (torch where it names none), reading shared prefixes once or not."""
     if engine == "transformers static":
         return hf_static(model, layers, first, prefix, steps)
+    if engine.startswith("cacheidx jax jitted"):
+        return ci_jitted(config, params, layers, first, prefix, steps,
+                         hint=engine.endswith("shared reads"))
     backend = "jax" if engine.startswith("cacheidx jax") else "torch"
     return ci_shared(config, params, layers, first, prefix, steps, shared=True,
                      read_once=engine.endswith("shared reads"), backend=backend)
@@ -160,6 +211,8 @@ def run_engine(engine: str, model, config, params, layers, first, prefix: int, s
 
 def own_of(engine: str) -> str:
     """The engine a row's "vs own reads" compares with: own reads on the same backend."""
+    if engine.startswith("cacheidx jax jitted"):
+        return "cacheidx jax jitted own reads"
     return "cacheidx jax own reads" if engine.startswith("cacheidx jax") else "cacheidx own reads"
 
 
@@ -234,7 +287,8 @@ def nothing_shared(config, params, prefix: int, lanes: int, steps: int) -> dict:
 
 
 ENGINES = ["transformers static", "cacheidx own reads", "cacheidx shared reads",
-           "cacheidx jax own reads", "cacheidx jax shared reads"]
+           "cacheidx jax own reads", "cacheidx jax shared reads",
+           "cacheidx jax jitted own reads", "cacheidx jax jitted shared reads"]
 #: the real SmolLM2's engines (JAX eager over 30 layers is left to the 2-layer shape)
 SMOLLM2_ENGINES = ENGINES[:3]
 SHAPED = "SmolLM2-135M's shape cut to 2 layers"
@@ -270,7 +324,7 @@ def table(rows: list[dict], bw: float, steps: int) -> None:
         same = {x["engine"]: x for x in rows if (x["lanes"], x["prefix"]) == (lanes, prefix)}
         r = next(iter(same.values()))
         ratio = r["unshared_floor_ms"] / r["floor_ms"]
-        gains = [f"{'jax' if 'jax' in e else 'torch'} "
+        gains = [f"{'jax jitted' if 'jitted' in e else 'jax' if 'jax' in e else 'torch'} "
                  f"{lc.speedup(same[e], same.get(own_of(e)))}"
                  for e in same if e.endswith("shared reads") and own_of(e) in same]
         print(f"- {lanes} lanes x {prefix}: floor ratio {ratio:.2f}x (the bytes "
