@@ -1,7 +1,8 @@
 """Decode through the serving engine against transformers' static cache: tokens/s of the decode
 steps of ``cacheidx.serve.Engine`` (eager torch, the CPU kernel reading its paged pools, the
 prefix cache on) beside ``generate`` with ``cache_implementation="static"`` on the same model
-and prompts, greedy, one thread.
+and prompts, greedy, one thread. ``--engine jax-jit``: the engine on JAX compiled instead, each call
+one program jitted whole, its decode calls reading the shared prompt once by the index's hint.
 
 Workloads (issue 38's "through the engine"): 32 distinct prompts of 4k tokens (nothing shared),
 and 8 and 32 lanes under one 4k-token prompt (the shared prompt, then a few tokens of each
@@ -20,6 +21,7 @@ shared prompt once) over the machine's one-thread bandwidth.
 
     python benchmarks/engine_decode.py [--json PATH] [--workloads distinct shared8 shared32]
                                        [--new N] [--context 4096] [--repeat 3]
+                                       [--engine torch|jax-jit]
 """
 
 from __future__ import annotations
@@ -51,14 +53,21 @@ def prompts(config, lanes: int, context: int, shared: bool, seed: int = 0) -> li
     return [common + rng.integers(1, config.vocab, OWN).tolist() for _ in range(lanes)]
 
 
-def engine_rate(config, params, asked: list[list[int]], new: int, shared: bool, cache: bool):
+#: the engines measured: eager torch (the CPU kernel), or JAX compiled (each call one program
+#: jitted whole, a decode call's index with its hint of the shared prefix: step law 10)
+ENGINES = {"torch": ("torch", False), "jax-jit": ("jax", True)}
+
+
+def engine_rate(config, params, asked: list[list[int]], new: int, shared: bool, cache: bool,
+                engine_name: str = "torch"):
     """The engine's decode tokens/s over ``asked`` and each prompt's tokens."""
     from cacheidx.serve import Engine, LlamaModel, Request
 
     lanes = len(asked)
     pages = lanes * (-(-(len(asked[0]) + new) // PAGE)) + 64
-    engine = Engine(LlamaModel(config, params), backend="torch", pages=pages, page_size=PAGE,
-                    lanes=lanes, cache=cache)
+    backend, compiled = ENGINES[engine_name]
+    engine = Engine(LlamaModel(config, params), backend=backend, pages=pages, page_size=PAGE,
+                    lanes=lanes, cache=cache, compile=compiled)
     if shared:  # the shared prompt alone first: its pages then lie in the prefix cache
         engine.run([Request("shared", asked[0][:-OWN], 1)])
         before = engine.figures()
@@ -94,29 +103,33 @@ def hf_rate(model, asked: list[list[int]], new: int) -> tuple[float, list[list[i
     return len(asked) / float(np.median(steps)), out[:, ids.shape[1]:].tolist()
 
 
-def row_for(name, model, config, params, bw, context, new) -> dict:
+def row_for(name, model, config, params, bw, context, new, engine_name="torch") -> dict:
     lanes, shared = WORKLOADS[name]
     asked = prompts(config, lanes, context, shared)
     t0 = time.perf_counter()
-    f, tokens, before = engine_rate(config, params, asked, new, shared, cache=True)
+    f, tokens, before = engine_rate(config, params, asked, new, shared, cache=True,
+                                    engine_name=engine_name)
     decode_s = f["decode_seconds"] - before["decode_seconds"]
     decoded = f["generated_tokens"] - before["generated_tokens"] - lanes  # the first is prefill's
     calls = f["decode_calls"] - before["decode_calls"]
     rate = f["decode_tokens_per_second"]
-    same_off = None
+    same_off = off_rate = None
     if shared:
-        _, off, _ = engine_rate(config, params, asked, new, shared, cache=False)
-        same_off = off == tokens
+        f_off, off, _ = engine_rate(config, params, asked, new, shared, cache=False,
+                                    engine_name=engine_name)
+        same_off, off_rate = off == tokens, f_off["decode_tokens_per_second"]
     hf, hf_tokens = hf_rate(model, asked, new)
     per_lane = context + (OWN if shared else 0)
     kv = 2 * config.layers * config.kv_heads * config.head_dim * 4
     read = kv * (per_lane + lanes * OWN if shared else lanes * per_lane)
     floor = (lc.weight_bytes(params) + read) / bw
-    row = {"workload": name, "lanes": lanes, "context": context, "shared": shared, "new": new,
+    row = {"workload": name, "engine": engine_name, "lanes": lanes, "context": context,
+           "shared": shared, "new": new,
            "engine_tokens_per_s": rate, "decode_calls": calls, "decode_seconds": decode_s,
            "decoded": decoded, "hf_tokens_per_s": hf, "vs_static": rate / hf,
            "floor_ms": 1e3 * floor, "step_ms": 1e3 * lanes / rate,
            "same_tokens": tokens == hf_tokens, "same_without_cache": same_off,
+           "without_cache_tokens_per_s": off_rate,
            "wall_s": time.perf_counter() - t0}
     say(f"{name}: engine {rate:.1f} tokens/s, transformers static {hf:.1f} "
         f"({rate / hf:.2f}x); step {row['step_ms']:.1f} ms, floor {row['floor_ms']:.1f} ms; "
@@ -138,14 +151,16 @@ def repeated(runs: list[dict]) -> dict:
 
 
 def report(rows: list[dict], bw: float) -> None:
-    print(f"\nDecode through cacheidx.serve.Engine (eager torch, the CPU kernel, the prefix cache "
+    what = ("eager torch, the CPU kernel" if rows[0].get("engine", "torch") == "torch" else
+            "JAX compiled, each call one program, decode reading the hint's prefix once")
+    print(f"\nDecode through cacheidx.serve.Engine ({what}, the prefix cache "
           f"on) against transformers' static cache (generate), SmolLM2-135M's shape cut to 2 "
           f"layers, greedy, one thread; the floor reads the weights and the keys and values a "
           f"step needs ({bw / 1e9:.1f} GB/s).\n")
     print("| workload | lanes | context | engine tokens/s | transformers static tokens/s | "
           "vs static | runs' vs static | engine step ms | floor ms | floor / step | "
-          "same tokens | same without the cache |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|")
+          "same tokens | same without the cache | without the cache tokens/s |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|")
     for r in rows:
         off = "-" if r["same_without_cache"] is None else (
             "yes" if r["same_without_cache"] else "no")
@@ -154,7 +169,7 @@ def report(rows: list[dict], bw: float) -> None:
               f"{r['vs_static']:.2f}x | {', '.join(f'{x:.2f}' for x in r['runs'])} | "
               f"{r['step_ms']:.1f} | {r['floor_ms']:.1f} | "
               f"{r['floor_ms'] / r['step_ms']:.2f} | {'yes' if r['same_tokens'] else 'no'} | "
-              f"{off} |")
+              f"{off} | {r.get('without_cache_tokens_per_s') or 0:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -163,14 +178,18 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--engine", default="torch", choices=list(ENGINES),
+                   help="eager torch, or JAX compiled (its decode calls read the hint's prefix "
+                        "once)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each workload, one after another (the table: their median)")
     args = p.parse_args(argv)
     bw = lc.bandwidth()
     say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
     model, config, params, _ = lc.load("shaped")
-    rows = [repeated([row_for(w, model, config, params, bw, args.context, args.new)
-                      for _ in range(args.repeat)]) for w in args.workloads]
+    rows = [repeated([row_for(w, model, config, params, bw, args.context, args.new,
+                              args.engine) for _ in range(args.repeat)])
+            for w in args.workloads]
     report(rows, bw)
     if args.json:
         Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw}, indent=1))

@@ -76,8 +76,12 @@ def _traced(call: Any, share: Share = (), hinted: bool = True) -> tuple[Any, Any
     call = stored(call)
     if index.kind != "tabled" or index.columns is not None:
         return standard(call), call.kpool, call.vpool
+    # as the host's rules: a call of at most ROWS tokens a lane whose whole mask (which the
+    # program's check of the hint makes) is at most WHOLE, over pools of one size
     hint = (hinted and not share and index.share_widths is not None
-            and index.seq <= runplan.ROWS and int(call.vpool.shape[0]) == int(call.kpool.shape[0]))
+            and index.seq <= runplan.ROWS
+            and index.batch * index.seq * int(masks.lane_table(index).shape[1]) <= runplan.WHOLE
+            and int(call.vpool.shape[0]) == int(call.kpool.shape[0]))
     return _looped(call, share, hint), call.kpool, call.vpool
 
 
