@@ -100,6 +100,27 @@ def caches(config, lanes: int, prefix: int, seed: int = 1):
     return layers, rng.integers(0, config.vocab, lanes)
 
 
+def filled(config, params, layers, lanes: int, prefix: int, steps: int, shared: bool,
+           backend: str):
+    """``(weights, pools, index)`` on ``backend``: the weights converted, the pools holding
+    ``layers``' keys and values at the slots of :func:`layout`'s table, and the index of the
+    lanes' last cached token over that table."""
+    import cacheidx as ci
+    from cacheidx.models import llama
+
+    be = ci.backends.get(backend)
+    xp = be.xp
+    table, slots = layout(lanes, prefix, steps, shared)
+    weights = llama.convert(params, xp=xp)
+    n = prefix + OWN
+    at = xp.asarray(table[:, :n].reshape(-1))
+    pools = []
+    for (k, v), empty in zip(layers, llama.empty_pools(config, slots, like=weights["embed"])):
+        pools.append(tuple(be.scatter(pool, at, xp.asarray(x.reshape(lanes * n, *x.shape[2:])),
+                                      donate=True) for x, pool in zip((k, v), empty)))
+    return weights, pools, ci.make(xp.asarray(np.full((lanes, 1), n - 1)), xp.asarray(table))
+
+
 def ci_shared(config, params, layers, first, prefix: int, steps: int, shared: bool,
               read_once: bool, backend: str = "torch"):
     """cacheidx's eager path on ``backend`` (torch, jax) over paged pools whose prefix pages
@@ -112,15 +133,7 @@ def ci_shared(config, params, layers, first, prefix: int, steps: int, shared: bo
     be = ci.backends.get(backend)
     xp = be.xp
     lanes = len(first)
-    table, slots = layout(lanes, prefix, steps, shared)
-    weights = llama.convert(params, xp=xp)
-    n = prefix + OWN
-    at = xp.asarray(table[:, :n].reshape(-1))
-    pools = []
-    for (k, v), empty in zip(layers, llama.empty_pools(config, slots, like=weights["embed"])):
-        pools.append(tuple(be.scatter(pool, at, xp.asarray(x.reshape(lanes * n, *x.shape[2:])),
-                                      donate=True) for x, pool in zip((k, v), empty)))
-    index = ci.make(xp.asarray(np.full((lanes, 1), n - 1)), xp.asarray(table))
+    weights, pools, index = filled(config, params, layers, lanes, prefix, steps, shared, backend)
 
     def forward(weights, tokens, index, pools):
         logits, pools = llama.forward(weights, config, tokens, index, pools, donate=True,
@@ -152,18 +165,10 @@ def ci_jitted(config, params, layers, first, prefix: int, steps: int, hint: bool
     from cacheidx import devices
     from cacheidx.models import llama
 
-    be = ci.backends.get("jax")
-    xp = be.xp
+    xp = ci.backends.get("jax").xp
     lanes = len(first)
-    table, slots = layout(lanes, prefix, steps, True)
-    weights = llama.convert(params, xp=xp)
-    n = prefix + OWN
-    at = xp.asarray(table[:, :n].reshape(-1))
-    pools = []
-    for (k, v), empty in zip(layers, llama.empty_pools(config, slots, like=weights["embed"])):
-        pools.append(tuple(be.scatter(pool, at, xp.asarray(x.reshape(lanes * n, *x.shape[2:])),
-                                      donate=True) for x, pool in zip((k, v), empty)))
-    index = ci.make(xp.asarray(np.full((lanes, 1), n - 1)), xp.asarray(table)).advance()
+    weights, pools, index = filled(config, params, layers, lanes, prefix, steps, True, "jax")
+    index = index.advance()
     index = index.share() if hint else index
 
     def decode(weights, tokens, index, pools):
