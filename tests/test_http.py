@@ -9,6 +9,7 @@ What a stream shows is checked against what the engine gives offline for the sam
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -53,8 +54,24 @@ def tiny_model():
 MODEL = tiny_model()
 
 
+class Held(LlamaModel):
+    """:data:`MODEL`, whose calls past the first ``calls`` wait until :attr:`go` is set (at
+    most 30 s): a request stays in flight for as long as a test needs it, however fast the
+    machine."""
+
+    def __init__(self, calls):
+        super().__init__(MODEL.config, MODEL.params)
+        self.calls, self.go = calls, threading.Event()
+
+    def forward(self, *args):
+        self.calls -= 1
+        if self.calls < 0:
+            self.go.wait(30)
+        return super().forward(*args)
+
+
 def engine(**options):
-    return Engine(MODEL, pages=options.pop("pages", 512), page_size=PAGE,
+    return Engine(options.pop("model", MODEL), pages=options.pop("pages", 512), page_size=PAGE,
                   lanes=options.pop("lanes", 8), detokenize=decode, **options)
 
 
@@ -398,7 +415,8 @@ def test_a_drain_answers_503_and_lets_the_stream_in_flight_end():
     """What SIGTERM does (the server's law 1), through the handler uvicorn calls for it."""
     import signal
 
-    with start() as s, within(30):
+    held = Held(calls=4)  # the stream stays in flight until the drain has been seen
+    with start(model=held) as s, within(30):
         c = client(s)
         messages = chat("draining")
         want = offline(template(messages), 40, temperature=0)
@@ -406,11 +424,13 @@ def test_a_drain_answers_503_and_lets_the_stream_in_flight_end():
                                            max_tokens=40, stream=True,
                                            extra_body={"return_token_ids": True})
         chunks = [next(stream)]
+        assert wait_for(lambda: held.calls < 0)  # a call waits: the stream is in flight
         s.server.handle_exit(signal.SIGTERM, None)
         assert httpx.get(f"{s.url}/health").status_code == 503
         with pytest.raises(openai.InternalServerError) as e:
             c.chat.completions.create(model=NAME, messages=chat("late"), max_tokens=2)
         assert e.value.status_code == 503
+        held.go.set()
         chunks += list(stream)
         ids = [t for ch in chunks for x in ch.choices for t in (x.model_extra.get("token_ids")
                                                                 or [])]

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from deadline import within
-from test_http import MODEL, NAME, chat, decode, encode, offline, template
+from test_http import MODEL, NAME, Held, chat, decode, encode, offline, template, wait_for
 
 from cacheidx.serve import __main__ as cli
 
@@ -29,8 +29,8 @@ pytest.importorskip("cacheidx.serve.http", reason="the server needs fastapi and 
                     "(pip install -e \".[serve]\")")
 
 
-def served():
-    return cli.Served(NAME, MODEL, template, decode, (), encode)
+def served(model=MODEL):
+    return cli.Served(NAME, model, template, decode, (), encode)
 
 
 def free_port():
@@ -76,12 +76,15 @@ def test_sigterm_drains_the_command_and_it_exits_0():
     messages = chat("until the signal")
     want = offline(template(messages), 48, temperature=0)
 
+    held = Held(calls=4)  # the stream stays in flight until the drain has been seen
+
     def talk(url):
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
         stream = c.chat.completions.create(model=NAME, messages=messages, temperature=0,
                                            max_tokens=48, stream=True,
                                            extra_body={"return_token_ids": True})
         chunks = [next(stream), next(stream)]
+        assert wait_for(lambda: held.calls < 0)  # a call waits: the stream is in flight
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5
         while httpx.get(f"{url}/health", timeout=5).status_code != 503:
@@ -89,6 +92,7 @@ def test_sigterm_drains_the_command_and_it_exits_0():
             time.sleep(0.01)
         late = httpx.post(f"{url}/v1/chat/completions", timeout=5, json={
             "model": NAME, "messages": chat("late"), "max_tokens": 2})
+        held.go.set()
         chunks += list(stream)
         ids = [t for ch in chunks for x in ch.choices
                for t in (x.model_extra.get("token_ids") or [])]
@@ -96,7 +100,8 @@ def test_sigterm_drains_the_command_and_it_exits_0():
             chunks[-1].choices[0].finish_reason
 
     status, (late, code, ids, finish) = command(
-        ["--page-size", "4", "--pages", "256", "--grace", "20"], talk, served=served)
+        ["--page-size", "4", "--pages", "256", "--grace", "20"], talk,
+        served=lambda: served(held))
     assert status == 0
     assert (late, code) == (503, "unavailable")
     assert ids == want and finish == "length"
