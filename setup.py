@@ -5,7 +5,8 @@ The extension is optional: where no C compiler builds it, the install goes on (s
 why) and the array libraries' products read quantized and paged pools instead
 (cacheidx.attention.native says so once, as a warning). Its flags keep one set of numerics on
 every machine: no -march=native (kernel.c clones its entries per instruction set instead), no
--ffast-math or reassociation, no contraction into fused multiply-adds."""
+-ffast-math or reassociation, no contraction into fused multiply-adds; OpenMP where the
+compiler links it (the kernel's threads are then the process's OpenMP pool, torch's own)."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -14,14 +15,39 @@ from setuptools.command.build_ext import build_ext
 UNIX = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi"]
 
 
+#: a program OpenMP must build and link, or the kernel takes its threads from pthreads
+OPENMP = "#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n"
+
+
+def openmp(compiler) -> list[str]:
+    """``["-fopenmp"]`` where ``compiler`` compiles and links OpenMP (GCC with libgomp; the
+    kernel then splits a call over the process's OpenMP threads, torch's own pool where torch
+    is loaded), else ``[]``."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "openmp.c")
+        with open(src, "w") as f:
+            f.write(OPENMP)
+        try:
+            objects = compiler.compile([src], output_dir=tmp, extra_postargs=["-fopenmp"])
+            compiler.link_executable(objects, "openmp", output_dir=tmp,
+                                     extra_postargs=["-fopenmp"])
+        except Exception:  # noqa: BLE001  (any failure: no OpenMP, pthreads instead)
+            return []
+    return ["-fopenmp"]
+
+
 class Flags(build_ext):
     """``build_ext`` with the kernel's flags for the compiler it finds."""
 
     def build_extensions(self):
         unix = self.compiler.compiler_type == "unix"
+        omp = openmp(self.compiler) if unix else []
         for ext in self.extensions:
-            ext.extra_compile_args = UNIX if unix else ["/O2", "/fp:precise"]
-            ext.extra_link_args = ["-pthread"] if unix else []
+            ext.extra_compile_args = UNIX + omp if unix else ["/O2", "/fp:precise"]
+            ext.extra_link_args = ["-pthread", *omp] if unix else []
             ext.libraries = ["m"] if unix else []
         super().build_extensions()
 

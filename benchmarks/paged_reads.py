@@ -175,6 +175,8 @@ def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads,
     wbytes = lc.weight_bytes(params)
     out, ref = [], None
     engines = [("transformers static", "float32", True, 1)]
+    if context >= 16384:  # each engine at every thread count, the static cache too
+        engines += [("transformers static", "float32", True, t) for t in threads if t != 1]
     for kv in kvs:
         engines += [("cacheidx paged kernel", kv, True, 1), ("cacheidx core reads", kv, False, 1)]
         if context >= 16384:
@@ -214,15 +216,22 @@ def report(rows: list[dict], bw: float, steps: int, flops_s: float) -> None:
           f"does the step's products at the one-thread rate ({flops_s / 1e9:.1f} GFLOP/s); "
           f"floor / step is the larger floor's.\n")
     print("| lanes | context | engine | pools | threads | tokens/s | vs transformers static "
-          "| step ms (fastest-slowest) | CPU ms a step | vs static (CPU) | bytes floor ms "
-          "| FLOPs floor ms | floor / step | same tokens |")
-    print("|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+          "| vs static, same threads | step ms (fastest-slowest) | CPU ms a step "
+          "| vs static (CPU) | bytes floor ms | FLOPs floor ms | floor / step | same tokens |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+
+    def static(r, threads):
+        return next((x for x in rows if x["engine"] == "transformers static"
+                     and x["threads"] == threads and x["lanes"] == r["lanes"]
+                     and x["context"] == r["context"]), None)
+
     for r in rows:
-        base = next(x for x in rows if x["engine"] == "transformers static"
-                    and x["lanes"] == r["lanes"] and x["context"] == r["context"])
+        base, same = static(r, 1), static(r, r["threads"])
         floor = max(r["floor_ms"], r["flop_floor_ms"])
+        alike = "-" if same is None else f"{r['tokens_per_s'] / same['tokens_per_s']:.2f}x"
         print(f"| {r['lanes']} | {r['context']} | {r['engine']} | {r['kv']} | {r['threads']} "
               f"| {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+              f"| {alike} "
               f"| {r['step_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
               f"| {r['cpu_ms']:.1f} | {base['cpu_ms'] / r['cpu_ms']:.2f}x "
               f"| {r['floor_ms']:.1f} | {r['flop_floor_ms']:.1f} | {floor / r['step_ms']:.2f} "
