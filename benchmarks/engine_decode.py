@@ -1,7 +1,8 @@
 """Decode through the serving engine against transformers' static cache: tokens/s of the decode
 steps of ``cacheidx.serve.Engine`` (eager torch, the CPU kernel reading its paged pools, the
 prefix cache on) beside ``generate`` with ``cache_implementation="static"`` on the same model
-and prompts, greedy, one thread. ``--engine jax-jit``: the engine on JAX compiled instead, each call
+and prompts, greedy, one thread (``--threads N``: both sides at N intra-op threads, the
+kernel on torch's pool). ``--engine jax-jit``: the engine on JAX compiled instead, each call
 one program jitted whole, its decode calls reading the shared prompt once by the index's hint.
 
 Workloads (issue 38's "through the engine"): 32 distinct prompts of 4k tokens (nothing shared),
@@ -21,7 +22,7 @@ shared prompt once) over the machine's one-thread bandwidth.
 
     python benchmarks/engine_decode.py [--json PATH] [--workloads distinct shared8 shared32]
                                        [--new N] [--context 4096] [--repeat 3]
-                                       [--engine torch|jax-jit]
+                                       [--engine torch|jax-jit] [--threads N]
 """
 
 from __future__ import annotations
@@ -150,12 +151,13 @@ def repeated(runs: list[dict]) -> dict:
     return row
 
 
-def report(rows: list[dict], bw: float) -> None:
+def report(rows: list[dict], bw: float, threads: int = 1) -> None:
     what = ("eager torch, the CPU kernel" if rows[0].get("engine", "torch") == "torch" else
             "JAX compiled, each call one program, decode reading the hint's prefix once")
     print(f"\nDecode through cacheidx.serve.Engine ({what}, the prefix cache "
           f"on) against transformers' static cache (generate), SmolLM2-135M's shape cut to 2 "
-          f"layers, greedy, one thread; the floor reads the weights and the keys and values a "
+          f"layers, greedy, {'one thread' if threads == 1 else f'{threads} threads'}; the "
+          f"floor reads the weights and the keys and values a "
           f"step needs ({bw / 1e9:.1f} GB/s).\n")
     print("| workload | lanes | context | engine tokens/s | transformers static tokens/s | "
           "vs static | runs' vs static | engine step ms | floor ms | floor / step | "
@@ -183,16 +185,23 @@ def main(argv=None) -> int:
                         "once)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each workload, one after another (the table: their median)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's intra-op threads on both sides (the floor stays one thread's)")
     args = p.parse_args(argv)
     bw = lc.bandwidth()
+    if args.threads != 1:
+        import torch
+
+        torch.set_num_threads(args.threads)
     say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
     model, config, params, _ = lc.load("shaped")
     rows = [repeated([row_for(w, model, config, params, bw, args.context, args.new,
                               args.engine) for _ in range(args.repeat)])
             for w in args.workloads]
-    report(rows, bw)
+    report(rows, bw, args.threads)
     if args.json:
-        Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw}, indent=1))
+        Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw,
+                                               "threads": args.threads}, indent=1))
     return 0
 
 
