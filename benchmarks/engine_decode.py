@@ -164,6 +164,7 @@ def report(rows: list[dict], bw: float, threads: int = 1) -> None:
           "same tokens | same without the cache | without the cache tokens/s |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|")
     for r in rows:
+        alone = r.get("without_cache_tokens_per_s")
         off = "-" if r["same_without_cache"] is None else (
             "yes" if r["same_without_cache"] else "no")
         print(f"| {r['workload']} | {r['lanes']} | {r['context']} | "
@@ -171,7 +172,7 @@ def report(rows: list[dict], bw: float, threads: int = 1) -> None:
               f"{r['vs_static']:.2f}x | {', '.join(f'{x:.2f}' for x in r['runs'])} | "
               f"{r['step_ms']:.1f} | {r['floor_ms']:.1f} | "
               f"{r['floor_ms'] / r['step_ms']:.2f} | {'yes' if r['same_tokens'] else 'no'} | "
-              f"{off} | {r.get('without_cache_tokens_per_s') or 0:.1f} |")
+              f"{off} | {'-' if alone is None else f'{alone:.1f}'} |")
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Paged reads at the floor: decode tokens/s of 8 and 32 lanes whose caches hold 1k, 4k or 16k
 tokens on pages of 16 slots in a shuffled order, read by the CPU kernel that walks the page
 table itself, beside the core's reads of the same pools (the kernel off) and transformers'
-static cache; float32 and int8 pools; and the kernel over 1 thread against 2 at 16k.
+static cache; float32 and int8 pools; and at 16k 1 thread against 2, transformers' static
+cache too.
 
 The model is ``long_context.py``'s (SmolLM2-135M's shape cut to 2 layers, random weights, the
 same on both sides). Each lane's context is its own (nothing shared), its pages drawn in a
