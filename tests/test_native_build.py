@@ -147,45 +147,6 @@ def test_the_built_kernel_lays_out_its_arguments_as_its_mirrors():
         assert said[name][0] == size and [tuple(f) for f in said[name][1]] == fields
 
 
-def test_with_torch_loaded_the_kernel_splits_a_call_over_torchs_own_threads():
-    """Where the kernel links OpenMP, a process holds one ``libgomp.so.1``: the kernel's
-    threads are torch's intra-op pool, never a second pool beside it (which spins on the
-    cores torch's does), and a call over two threads gives one thread's bits."""
-    kernel_or_skip()
-    torch = pytest.importorskip("torch", reason="torch's thread pool needs torch")
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        pytest.skip("no /proc/self/maps here to list the loaded libraries")
-    index, q, k, v, kp, vp = paged_step()
-    qs = torch.as_tensor(np.random.default_rng(1).standard_normal((3, 2, 2, 64),
-                                                                   dtype=np.float32))
-    table = np.asarray(index.table)
-    start, stop = np.zeros(3, np.int64), np.asarray([40, 17, 33], np.int64)
-    pools = [quantized.Quantized(*(torch.as_tensor(np.asarray(x)) for x in p)) for p in (kp, vp)]
-    was = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            with _threaded(0):
-                outs.append(native.paged(qs, table, start, stop, *pools))
-    finally:
-        torch.set_num_threads(was)
-    assert all(bool((a == b).all()) for a, b in zip(*outs, strict=True))
-    gomps = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
-    assert len(gomps) <= 1, gomps
-
-
-def _threaded(least):
-    """Every paged call split over its threads, however small (``THREADED`` set to
-    ``least``)."""
-    import unittest.mock
-
-    from cacheidx.attention.native import pages
-
-    return unittest.mock.patch.object(pages, "THREADED", least)
-
-
 @pytest.mark.parametrize("entry", ["paged", "run"])
 def test_an_entry_given_other_bytes_than_its_struct_is_a_type_error(entry):
     kernel_or_skip()

@@ -8,6 +8,8 @@ care (a value that is not finite) or a gradient is asked."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -178,7 +180,9 @@ def test_lanes_sharing_a_prefix_are_read_once_by_the_core_or_by_the_kernel_apart
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_decode_is_the_same_over_one_thread_and_two(threads, monkeypatch):
-    """Lanes x kv heads split over the threads the call is given: the same bits."""
+    """Lanes x kv heads split over the threads the call is given: the same bits. Where the
+    kernel links OpenMP, its threads are torch's intra-op pool (a process holds one
+    ``libgomp.so.1``), never a second pool beside it that would spin on the same cores."""
     torch = pytest.importorskip("torch")
     kernel_or_skip()
     monkeypatch.setattr(native.pages, "THREADED", 0)
@@ -191,6 +195,10 @@ def test_paged_decode_is_the_same_over_one_thread_and_two(threads, monkeypatch):
     finally:
         torch.set_num_threads(kept)
     assert torch.equal(outs[0], outs[1])
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # Linux: the libraries the process loaded
+        gomps = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+        assert len(gomps) <= 1, gomps
 
 
 @pytest.mark.parametrize("lib", LIBS)

@@ -442,12 +442,8 @@ static int cacheidx_paged(const cacheidx_paged_args *a) {
        libgomp.so.1 a process): after each of its operators those threads spin a while before
        they sleep, so a thread of the kernel's own would share a core with a spinning one
        (8 lanes x 16k, 2 threads: 21.9 ms a step against 16.4 on the pool's threads) */
-    if (threads > 1) {
-        #pragma omp parallel num_threads(threads)
-        worker(&w);
-    } else {
-        worker(&w);
-    }
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    worker(&w);
 #else
     pthread_t t[MOST_THREADS];
     int made = 0;
