@@ -92,7 +92,9 @@ def test_random_tiny_decoder_is_causal():
     head, _ = llama.forward(params, config, tokens[:, :4], Causal(1, 4), pools)
     np.testing.assert_allclose(head, full[:, :4], rtol=1e-5, atol=1e-5)
     last, _ = llama.forward(params, config, tokens, Causal(1, 6), pools, last=True)
-    np.testing.assert_allclose(last, full[:, -1:], rtol=1e-6, atol=1e-6)
+    # the head's product over one row and over six are differently blocked by BLAS: float32's
+    # roundings apart (1.7e-6 seen at logits of 18), as the prefix's check above allows
+    np.testing.assert_allclose(last, full[:, -1:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
