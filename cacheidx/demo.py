@@ -203,9 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile the step with the backend's jit (torch.compile is slow "
                         "to build for 30 layers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--kv", choices=("int8", "int4"), default=None,
+    parser.add_argument("--kv", choices=("int8", "int4", "int4-turned"), default=None,
                         help="keep keys and values quantized: 8-bit or 4-bit codes and a "
-                        "float32 scale per token and kv head (default: float pools)")
+                        "float32 scale per token and kv head, or int4-turned: rows turned by "
+                        "the Hadamard matrix, a scale and zero point a group (default: float "
+                        "pools)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
                         help="split the heads and the MLP over K ranks: torch under torchrun "
                         "--nproc-per-node K, jax over K devices")

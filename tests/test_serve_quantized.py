@@ -193,19 +193,22 @@ def test_a_sharded_jax_model_serves_int8_pools_cut_on_their_heads(tiny):
 
 
 # -- (d) int4 -----------------------------------------------------------------------------------
-def test_int4_pools_serve(tiny):
+@pytest.mark.parametrize("kv", ["int4", "int4-turned"])
+def test_int4_pools_serve(tiny, kv):
     config, params, model = tiny
     runs = []
     for cache in (True, False):
-        engine = Engine(model, pages=128, cache=cache, kv="int4", debug=True, **COMMON)
-        k = engine.executor.pools[0][0]
+        engine = Engine(model, pages=128, cache=cache, kv=kv, debug=True, **COMMON)
+        k, v = engine.executor.pools[0]
         assert k.bits == 4 and tuple(k.codes.shape) == (128 * 4, 2, 4) and k.shape[2] == 8
+        if kv == "int4-turned":  # keys in groups of 8 (gcd(8, 16)), values of 8 (gcd(8, 64))
+            assert isinstance(k, ci.turned.Turned) and (k.group, v.group) == (8, 8)
         runs.append({r.id: r for r in chat(engine, conversations=3)})
         check_no_leak(engine)
     assert {i: r.tokens for i, r in runs[0].items()} == {i: r.tokens for i, r in runs[1].items()}
     assert sum(r.cached_tokens for r in runs[0].values()) > 0
     for r in runs[0].values():
-        tokens, logits = alone(config, params, r.prompt_ids, 4, kv="int4")
+        tokens, logits = alone(config, params, r.prompt_ids, 4, kv=kv)
         assert r.tokens == tokens, r.id
         np.testing.assert_allclose(r.last_logits, logits, atol=2e-3, rtol=0)
 
@@ -215,6 +218,12 @@ def test_a_quantized_page_takes_its_codes_and_scales_bytes(tiny):
     assert token_bytes(2, 8) == 2 * 2 * 8 * 4
     assert token_bytes(2, 8, "int8") == 2 * 2 * (8 + 4)
     assert token_bytes(2, 8, "int4") == 2 * 2 * (4 + 4)
+    # turned: codes, then a float16 scale and an int8 zero point a group (8 channels here)
+    assert token_bytes(2, 8, "int4-turned") == 2 * 2 * (4 + 3)
+    assert token_bytes(3, 64, "int4-turned") == 3 * ((32 + 3 * 4) + (32 + 3))
+    turned = llama.empty_pools(config, 64, kv="int4-turned")
+    assert sum(p.nbytes for pair in turned for pool in pair for p in pool) == (
+        64 * model.token_bytes("int4-turned"))
     assert model.token_bytes("int8") == config.layers * token_bytes(2, 8, "int8")
     # the command's default cap counts quantized pages in the bytes of its float pages
     assert cli.most_pages(model, None) == cli.MOST_PAGES
@@ -253,6 +262,11 @@ def test_transformers_generate_over_int8_pools(arch):
         results = engine.run([Request(i, p, 3) for i, p in enumerate(prompts)])
         assert all(r.error is None and len(r.tokens) == 3 for r in results)
         assert engine.figures()["cached_tokens"] > 0
+        turned = Engine(served, backend="torch", pages=32, page_size=4, kv="int4-turned",
+                        clock="steps")
+        assert all(isinstance(p, ci.turned.Turned) for p in turned.executor.pools[0])
+        results = turned.run([Request(i, p, 3) for i, p in enumerate(prompts)])
+        assert all(r.error is None and len(r.tokens) == 3 for r in results)
     finally:
         served.restore()
     assert hf.config._attn_implementation == "eager"
@@ -305,7 +319,7 @@ class FloatsOnly:
 def test_a_bad_kv_is_refused_naming_the_function(tiny, kv):
     config, params, model = tiny
     with pytest.raises(ValueError, match=r"cacheidx\.models\.llama\.empty_pools: kv must be "
-                                         r"None \(float pools\), 'int8' or 'int4'"):
+                                         r"None \(float pools\), 'int8', 'int4' or 'int4-turned'"):
         llama.empty_pools(config, 4, kv=kv)
     with pytest.raises(ValueError, match=r"cacheidx\.serve\.Engine: kv must be"):
         Engine(model, pages=4, kv=kv)
@@ -331,8 +345,8 @@ def test_what_cannot_make_quantized_pools_is_refused_by_name(tiny):
     from cacheidx.integrations import transformers as cit
 
     with pytest.raises(ValueError, match=r"cacheidx\.integrations\.transformers\.generate: kv "
-                                         r"must be None \(float pools\), 'int8' or 'int4', got "
-                                         r"'int3'"):
+                                         r"must be None \(float pools\), 'int8', 'int4' or "
+                                         r"'int4-turned', got 'int3'"):
         cit.generate(hf_models.tiny("llama"), [[1, 2, 3]], kv="int3")
 
 

@@ -10,6 +10,7 @@ from . import model as _model  # noqa: F401  (registers the model-level laws)
 from . import quantized as _quantized  # noqa: F401  (registers the quantized pools' laws)
 from . import sampling as _sampling  # noqa: F401  (registers the engine's sampling law)
 from . import state as _state  # noqa: F401  (registers the laws of recurrent state)
+from . import turned as _turned  # noqa: F401  (registers the turned pools' laws)
 from .suite import LAWS, Case, Law, agree, law
 
 __all__ = ["LAWS", "Case", "Law", "agree", "law"]

@@ -34,6 +34,9 @@ __all__ = [
     "empty_pools",
     "forward",
     "kv_bits",
+    "kv_pair",
+    "row_bytes",
+    "turned_groups",
     "linear_layer",
     "matmul",
     "random_params",
@@ -251,18 +254,56 @@ def _namespace(xp):
 
 
 #: the quantized pools ``empty_pools(kv=...)`` makes: their codes' width in bits
-KV = {"int8": 8, "int4": 4}
+KV = {"int8": 8, "int4": 4, "int4-turned": 4}
+#: the channels a scale of ``"int4-turned"`` pools covers, at most: keys', values'
+#: (:mod:`cacheidx.turned`; ``benchmarks/int4_layouts.py`` chose them)
+TURNED_GROUPS = (16, 64)
 
 
 def kv_bits(fn: str, kv) -> int | None:
-    """``kv`` checked: ``None`` (float pools), ``"int8"`` or ``"int4"``; its width in bits
-    (``None`` for float pools). Raises ``ValueError`` naming ``cacheidx.{fn}`` otherwise."""
+    """``kv`` checked: ``None`` (float pools), ``"int8"``, ``"int4"`` or ``"int4-turned"``; its
+    width in bits (``None`` for float pools). Raises ``ValueError`` naming ``cacheidx.{fn}``
+    otherwise."""
     if kv is None:
         return None
     if not isinstance(kv, str) or kv not in KV:
-        raise ValueError(f"cacheidx.{fn}: kv must be None (float pools), 'int8' or 'int4', "
-                         f"got {kv!r:.60}")
+        raise ValueError(f"cacheidx.{fn}: kv must be None (float pools), 'int8', 'int4' or "
+                         f"'int4-turned', got {kv!r:.60}")
     return KV[kv]
+
+
+def turned_groups(head_dim: int) -> tuple[int, int]:
+    """The groups of ``"int4-turned"`` keys and values for rows of ``head_dim``: each the
+    largest divisor of ``head_dim`` dividing :data:`TURNED_GROUPS`' own."""
+    return tuple(math.gcd(int(head_dim), g) for g in TURNED_GROUPS)
+
+
+def row_bytes(head_dim: int, kv) -> tuple[int, int]:
+    """The bytes a key row and a value row of ``head_dim`` take in pools of ``kv`` (float32
+    for ``None``), codes and scales (and zero points) included."""
+    if kv is None:
+        return 4 * head_dim, 4 * head_dim
+    if kv == "int4-turned":  # float16 scales and int8 zero points, a group each
+        return tuple(head_dim // 2 + 3 * (head_dim // g) for g in turned_groups(head_dim))
+    row = head_dim * KV[kv] // 8 + 4  # a float32 scale a row
+    return row, row
+
+
+def kv_pair(kv, slots: int, kv_heads: int, head_dim: int, *, xp, device=None, layout=None,
+            scale_dtype=None):
+    """One layer's ``(k_pool, v_pool)`` of ``slots`` quantized as ``kv`` says (``"int8"``,
+    ``"int4"``: :func:`cacheidx.quantized.zeros`; ``"int4-turned"``:
+    :func:`cacheidx.turned.zeros`, keys and values in :func:`turned_groups`), in ``xp`` on
+    ``device``, in the memory order ``layout`` (the library's preferred where ``None``)."""
+    from .. import quantized, turned
+
+    order = layout or quantized_layout(xp, kv_heads, head_dim, device)
+    if kv == "int4-turned":
+        return tuple(turned.zeros(slots, kv_heads, head_dim, group=g, xp=xp, device=device,
+                                  scale_dtype=scale_dtype, layout=order)
+                     for g in turned_groups(head_dim))
+    return tuple(quantized.zeros(slots, kv_heads, head_dim, bits=KV[kv], xp=xp, device=device,
+                                 scale_dtype=scale_dtype, layout=order) for _ in "kv")
 
 
 def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device=None,
@@ -318,24 +359,22 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
             raise ValueError(f"cacheidx.{fn}: layer {i} attends: its slots must be a number, "
                              f"got {n!r:.60}")
     if bits is None:
-        def zeros(n):
-            return pool_layout.zeros(xp, n, config.kv_heads, config.head_dim, dtype=dtype,
-                                     device=device, layout=layout)
+        def pair(n):
+            return tuple(pool_layout.zeros(xp, n, config.kv_heads, config.head_dim,
+                                           dtype=dtype, device=device, layout=layout)
+                         for _ in "kv")
     else:
-        from .. import quantized
-
         order = layout or quantized_layout(xp, config.kv_heads, config.head_dim, device)
 
-        def zeros(n):
-            return quantized.zeros(n, config.kv_heads, config.head_dim, bits=bits, xp=xp,
-                                   device=device, scale_dtype=scale_dtype, layout=order)
+        def pair(n):
+            return kv_pair(kv, n, config.kv_heads, config.head_dim, xp=xp, device=device,
+                           layout=order, scale_dtype=scale_dtype)
 
     def states(rows, snapshots):
         return deltanet.empty_pools(config.linear, rows, snapshots, xp=xp, dtype=dtype,
                                     device=device)
 
-    return [states(*n) if i in recurrent else (zeros(n), zeros(n))
-            for i, n in enumerate(each)]
+    return [states(*n) if i in recurrent else pair(n) for i, n in enumerate(each)]
 
 
 def quantized_layout(xp, kv_heads: int, head_dim: int, device=None) -> str:

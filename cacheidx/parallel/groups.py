@@ -245,6 +245,10 @@ class JaxGroup:
                     for _ in range(config.layers)]
         from ..quantized import Quantized
 
+        if kv == "int4-turned":
+            raise ValueError(f"cacheidx.{fn}: kv 'int4-turned' is not cut on the heads here "
+                             f"(its scales and zero points are a third part): use 'int8' or "
+                             f"'int4'")
         if bits == 4 and config.head_dim % 2:
             raise ValueError(f"cacheidx.{fn}: int4 packs two codes a byte, so head_dim must be "
                              f"even, got {config.head_dim}")

@@ -157,9 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compile the step with the backend's jit (jax compiles by default)")
     p.add_argument("--eager", action="store_true", help="never compile")
-    p.add_argument("--kv", choices=("int8", "int4"), default=None,
+    p.add_argument("--kv", choices=("int8", "int4", "int4-turned"), default=None,
                    help="keep keys and values quantized: 8-bit or 4-bit codes and a float32 "
-                   "scale per token and kv head (default: float pools)")
+                   "scale per token and kv head, or int4-turned: rows turned by the Hadamard "
+                   "matrix, a scale and zero point a group (default: float pools)")
     p.add_argument("--http", metavar="HOST:PORT", type=_address, default=None,
                    help="serve OpenAI's HTTP API on HOST:PORT instead of a file of requests "
                    "(SIGTERM drains and exits)")

@@ -15,10 +15,12 @@ def token_bytes(kv_heads: int, head_dim: int, kv: str | None = None, itemsize: i
     """The bytes one token takes in one layer's key and value pools: ``2 * kv_heads`` rows of
     ``head_dim`` elements of ``itemsize`` bytes (float32: 4); quantized (``kv`` ``"int8"``
     or ``"int4"``), ``head_dim`` or ``head_dim / 2`` bytes of codes and a float32 scale a
-    row."""
+    row; ``"int4-turned"``, ``head_dim / 2`` bytes of codes and a float16 scale and int8 zero
+    point a group (:func:`cacheidx.models.llama.row_bytes`)."""
     bits = llama.kv_bits("serve.token_bytes", kv)
-    row = head_dim * itemsize if bits is None else head_dim * bits // 8 + 4
-    return 2 * int(kv_heads) * int(row)
+    if bits is None:
+        return 2 * int(kv_heads) * int(head_dim) * int(itemsize)
+    return int(kv_heads) * sum(llama.row_bytes(int(head_dim), kv))
 
 
 class Model(Protocol):

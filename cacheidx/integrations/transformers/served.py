@@ -198,11 +198,11 @@ class TransformersModel:
         the other form."""
         import array_api_compat.torch as xp
 
-        from ... import quantized, state
+        from ... import state
         from ...attention import layout
         from ...models import llama
 
-        bits = llama.kv_bits(_POOLS, kv)
+        bits, kv_name = llama.kv_bits(_POOLS, kv), kv
         if bits == 4 and self.head_dim % 2:
             raise ValueError(f"cacheidx.{_POOLS}: int4 packs two codes a byte, so head_dim "
                              f"must be even; {self.name}'s is {self.head_dim}")
@@ -218,8 +218,8 @@ class TransformersModel:
             if bits is None:
                 return tuple(layout.zeros(xp, n, self.kv_heads, self.head_dim,
                                           dtype=self.hf.dtype, device=p.device) for _ in "kv")
-            return tuple(quantized.zeros(n, self.kv_heads, self.head_dim, bits=bits, xp=xp,
-                                         device=p.device, layout=order) for _ in "kv")
+            return llama.kv_pair(kv_name, n, self.kv_heads, self.head_dim, xp=xp,
+                                 device=p.device, layout=order)
 
         out = []
         for i, (entry, n) in enumerate(zip(self.layout, each, strict=True)):
