@@ -183,9 +183,9 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"cacheidx.{fn}: x must be an array of rows, got {type(x).__name__}")
     xp = xp or _xp(x)
-    if not _real_floats(xp, x.dtype):
+    if not real_floats(xp, x.dtype):
         raise TypeError(f"cacheidx.{fn}: x must hold real floats, got dtype {x.dtype}")
-    if scale_dtype is not None and not _real_floats(xp, scale_dtype):
+    if scale_dtype is not None and not real_floats(xp, scale_dtype):
         raise TypeError(f"cacheidx.{fn}: scale_dtype must be a real float dtype, got "
                         f"{scale_dtype}")
     if x.ndim == 0 or int(x.shape[-1]) == 0:
@@ -221,7 +221,7 @@ def quantize(x: Any, bits: int = 8, *, scale_dtype: Any = None, xp: Any = None
     return xp.bitwise_or(u[..., :half], xp.bitwise_left_shift(u[..., half:], 4)), scales
 
 
-def _real_floats(xp: Any, dtype: Any) -> bool:
+def real_floats(xp: Any, dtype: Any) -> bool:
     """Whether ``dtype`` is a real float dtype of ``xp``'s library, NumPy's ``bfloat16``
     (ml_dtypes': a JAX array of bfloat16 comes to NumPy as one) included."""
     try:
@@ -316,7 +316,7 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
     if codes.dtype not in (xp.int8, xp.uint8):
         raise TypeError(f"cacheidx.{fn}: codes must be int8 (8 bits) or uint8 (4 bits, two a "
                         f"byte), got {codes.dtype}")
-    if not _real_floats(xp, scales.dtype):
+    if not real_floats(xp, scales.dtype):
         raise TypeError(f"cacheidx.{fn}: scales must hold real floats, got {scales.dtype}")
     if codes.ndim == 0 or tuple(scales.shape) != tuple(codes.shape[:-1]):
         raise arguments.fail(fn, f"scales must have the codes' shape but their last axis: "

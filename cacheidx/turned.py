@@ -40,7 +40,9 @@ The laws, each kept once, here:
   ``i`` in its low four bits and code ``i + d/2`` in its high four.
 - **T3, the values** (:func:`dequantize`). ``ŷ_i = (c_i - z) s`` in float32 (the difference an
   exact integer, one product), and the row is ``ŷ H / b`` (T1's turn): a call through a turned
-  pool is the call through a float pool holding :func:`roundtrip` of its rows.
+  pool is the call through a float pool holding :func:`roundtrip` of its rows (``extend``'s
+  seen bit for bit; ``attend``, whose law holds to a tolerance, turns a tile back by one
+  matrix product by ``H / b``, a library's own sums).
 - **T4, the error** (:func:`bound`). ``|y_i - ŷ_i| <= s (1/2 + 15 u) + 2**-22 (|y_i| + s)``, ``u``
   the scales' dtype's epsilon (``2**-10`` float16, ``2**-7`` bfloat16, ``2**-23`` float32): half a
   scale, but where ``s`` rounded down clips the greatest element. The row's error is the
@@ -53,6 +55,7 @@ zero, so only groups whose scale is under about ``2**-122`` may take other codes
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -146,10 +149,10 @@ def quantize(x: Any, group: int = 16, *, scale_dtype: Any = None, xp: Any = None
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"cacheidx.{fn}: x must be an array of rows, got {type(x).__name__}")
     xp = xp or _xp(x)
-    if not quantized._real_floats(xp, x.dtype):
+    if not quantized.real_floats(xp, x.dtype):
         raise TypeError(f"cacheidx.{fn}: x must hold real floats, got dtype {x.dtype}")
     scale_dtype = half(xp) if scale_dtype is None else scale_dtype
-    if not quantized._real_floats(xp, scale_dtype):
+    if not quantized.real_floats(xp, scale_dtype):
         raise TypeError(f"cacheidx.{fn}: scale_dtype must be a real float dtype, got "
                         f"{scale_dtype}")
     if x.ndim == 0 or int(x.shape[-1]) % 2 or int(x.shape[-1]) == 0:
@@ -191,7 +194,7 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
     if codes.dtype != xp.uint8 or zeros.dtype != xp.int8:
         raise TypeError(f"cacheidx.{fn}: codes must be uint8 and zeros int8, got "
                         f"{codes.dtype} and {zeros.dtype}")
-    if not quantized._real_floats(xp, scales.dtype):
+    if not quantized.real_floats(xp, scales.dtype):
         raise TypeError(f"cacheidx.{fn}: scales must hold real floats, got {scales.dtype}")
     d, n = 2 * int(codes.shape[-1]), int(scales.shape[-1])
     if (tuple(scales.shape) != tuple(zeros.shape) or n == 0 or d % n
@@ -199,13 +202,19 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
         raise arguments.fail(fn, f"codes [..., d // 2] take scales and zeros [..., d // g] for "
                              f"g dividing d, got codes {list(codes.shape)}, scales "
                              f"{list(scales.shape)} and zeros {list(zeros.shape)}")
+    return turn(turned_values(pool, xp), xp=xp) * (1.0 / block(d))
+
+
+def turned_values(pool: Any, xp: Any) -> Any:
+    """``ŷ = (c - z) s`` of a turned pool or a read of one (T3's first half), float32."""
+    codes, scales, zeros = pool
     f32 = xp.float32
+    d, n = 2 * int(codes.shape[-1]), int(scales.shape[-1])
     lead = tuple(codes.shape[:-1])
     c = xp.concat([xp.bitwise_and(codes, 15), xp.bitwise_right_shift(codes, 4)], axis=-1)
     c = xp.reshape(xp.astype(c, f32), (*lead, n, d // n))
     s = scales if scales.dtype == f32 else xp.astype(scales, f32)
-    y = (c - xp.astype(zeros, f32)[..., None]) * s[..., None]
-    return turn(xp.reshape(y, (*lead, d)), xp=xp) * (1.0 / block(d))
+    return xp.reshape((c - xp.astype(zeros, f32)[..., None]) * s[..., None], (*lead, d))
 
 
 def roundtrip(x: Any, group: int = 16, *, scale_dtype: Any = None, xp: Any = None) -> Any:
@@ -307,8 +316,36 @@ class _Turned:
         return dequantize(read, xp=xp)
 
     def factors(self, read: Any, dtype: Any, xp: Any) -> tuple[Any, Any]:
-        x = dequantize(read, xp=xp)
+        # attention's law holds to a tolerance, not bit for bit: the turn back as one product
+        # by H / b (a library's matrix product) rather than T3's stages of sums, which cost a
+        # decode step 8x its float pools' time in small operations
+        y = turned_values(read, xp)
+        x = y @ _back(xp, int(y.shape[-1]), y.dtype, _device(y))
         return (x if x.dtype == dtype else xp.astype(x, dtype)), None
+
+
+def _device(x: Any) -> Any:
+    from array_api_compat import device
+
+    return device(x)
+
+
+def _back(xp: Any, d: int, dtype: Any, device: Any) -> Any:
+    """``H / b`` as a ``[d, d]`` matrix in ``xp`` on ``device``."""
+    return xp.asarray(_back_host(d), dtype=dtype, device=device)
+
+
+@functools.cache
+def _back_host(d: int) -> np.ndarray:
+    """``H / b`` as a ``[d, d]`` NumPy matrix (block-diagonal, ``b`` = :func:`block` of ``d``),
+    each entry ``±1 / b``, exact."""
+    b = block(d)
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    m = np.kron(np.eye(d // b, dtype=np.float32), h) * np.float32(1 / b)
+    m.setflags(write=False)
+    return m
 
 
 pools.register(Turned, _Turned())
