@@ -320,7 +320,13 @@ class _Turned:
         # by H / b (a library's matrix product) rather than T3's stages of sums, which cost a
         # decode step 8x its float pools' time in small operations
         y = turned_values(read, xp)
-        x = y @ _back(xp, int(y.shape[-1]), y.dtype, _device(y))
+        back = _back(xp, int(y.shape[-1]), y.dtype, _device(y))
+        if y.ndim != 4:
+            x = y @ back
+        else:  # a tile [batch, T, kv, d]: made head by head, each head's rows contiguous, as
+            # a head-major pool's (a lane's product per head streams them; token-major rows
+            # read head by head cost oneDNN a copy each, 100x the product)
+            x = xp.permute_dims(xp.permute_dims(y, (0, 2, 1, 3)) @ back, (0, 2, 1, 3))
         return (x if x.dtype == dtype else xp.astype(x, dtype)), None
 
 
@@ -331,8 +337,9 @@ def _device(x: Any) -> Any:
 
 
 def _back(xp: Any, d: int, dtype: Any, device: Any) -> Any:
-    """``H / b`` as a ``[d, d]`` matrix in ``xp`` on ``device``."""
-    return xp.asarray(_back_host(d), dtype=dtype, device=device)
+    """``H / b`` as a ``[d, d]`` matrix in ``xp`` on ``device`` (a copy: the cached one is
+    never an array a caller could write)."""
+    return xp.asarray(_back_host(d), dtype=dtype, device=device, copy=True)
 
 
 @functools.cache
@@ -343,9 +350,7 @@ def _back_host(d: int) -> np.ndarray:
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < b:
         h = np.block([[h, h], [h, -h]])
-    m = np.kron(np.eye(d // b, dtype=np.float32), h) * np.float32(1 / b)
-    m.setflags(write=False)
-    return m
+    return np.kron(np.eye(d // b, dtype=np.float32), h) * np.float32(1 / b)
 
 
 pools.register(Turned, _Turned())
