@@ -327,7 +327,8 @@ def empty_pools(config: Config, slots, *, like=None, xp=None, dtype=None, device
     and kv head (:func:`cacheidx.quantized.zeros`), in the same namespace, device and
     ``layout``; their scales are float32, or ``dtype`` where it is given (``like``'s dtype
     is not theirs). A layer then stores each token's codes and scales, and reads back what
-    they stand for (:mod:`cacheidx.quantized`'s laws). Raises ``ValueError`` for another
+    they stand for (:mod:`cacheidx.quantized`'s laws). ``"int4-turned"``: turned 4-bit pools
+    (:func:`kv_pair`; float16 scales unless ``dtype`` is given). Raises ``ValueError`` for another
     ``kv``, and for ``"int4"`` with an odd ``head_dim`` (two codes a byte).
     """
     fn = "models.llama.empty_pools"

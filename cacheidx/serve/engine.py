@@ -109,7 +109,9 @@ class Engine:
     first request stored); the tokens are those of float pools holding each stored value's
     round trip (:func:`cacheidx.quantized.roundtrip`). A row of ``d`` elements then takes
     ``d + 4`` bytes (int8) or ``d / 2 + 4`` (int4) against float32's ``4 * d``
-    (:func:`cacheidx.serve.model.token_bytes`).
+    (:func:`cacheidx.serve.model.token_bytes`). ``"int4-turned"``: 4-bit codes of rows turned by
+    the Hadamard matrix, a float16 scale and int8 zero point a group of channels
+    (:mod:`cacheidx.turned`; a tenth of int4's error on SmolLM2, read by the array-API path).
 
     Raises ``ValueError`` (``TypeError`` for a wrong type) naming the argument for a size
     that is not a positive integer (``pages`` may be 0), a window below the model's own, a

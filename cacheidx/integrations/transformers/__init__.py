@@ -59,7 +59,8 @@ def generate(hf_model: Any, prompts: Iterable[Any], *, max_new_tokens: int = 16,
     (``engine_options``: ``lanes``, ``chunk``, ``compile``, ...); a sliding group's pool
     holds one window at least. ``kv``: ``None``, pools in the model's dtype; ``"int8"`` or
     ``"int4"``, quantized pools (:mod:`cacheidx.quantized`: 8-bit or 4-bit codes and a
-    float32 scale per token and kv head, ``Engine(kv=...)``). A prompt stops after
+    float32 scale per token and kv head, ``Engine(kv=...)``); ``"int4-turned"``, turned 4-bit
+    pools (:mod:`cacheidx.turned`). A prompt stops after
     ``max_new_tokens`` tokens or at an id of :func:`stop_ids` (kept).
 
     Any number of threads may call it on one model at once, each getting the tokens it gets
