@@ -153,14 +153,15 @@ def test_sliding_groups_over_int8_pools(windows):
 
 
 # -- (c) compiled -------------------------------------------------------------------------------
-def test_the_compiled_engine_over_int8_pools_gives_the_eager_tokens(tiny):
+@pytest.mark.parametrize("kv", ["int8", "int4-turned"])
+def test_the_compiled_engine_over_quantized_pools_gives_the_eager_tokens(tiny, kv):
     """torch.compile (aot_eager): the quantized pools are fixed, given up to the program and
-    refilled at one address (codes and scales alike), and the tokens are eager's."""
+    refilled at one address (every part alike), and the tokens are eager's."""
     backend_or_skip("torch")
     config, params, model = tiny
-    eager = [r.tokens for r in chat(Engine(model, backend="torch", pages=128, kv="int8",
+    eager = [r.tokens for r in chat(Engine(model, backend="torch", pages=128, kv=kv,
                                            **COMMON), conversations=3)]
-    engine = Engine(model, backend="torch", compile="aot_eager", pages=128, kv="int8",
+    engine = Engine(model, backend="torch", compile="aot_eager", pages=128, kv=kv,
                     shapes="fixed", **COMMON)
     step = engine.executor
     where = [tuple(p.data_ptr() for pool in pair for p in pool) for pair in step.pools]
@@ -211,6 +212,18 @@ def test_int4_pools_serve(tiny, kv):
         tokens, logits = alone(config, params, r.prompt_ids, 4, kv=kv)
         assert r.tokens == tokens, r.id
         np.testing.assert_allclose(r.last_logits, logits, atol=2e-3, rtol=0)
+
+
+def test_jax_compiled_serves_turned_pools_as_numpy_eager(tiny):
+    """The JAX engine (its step jitted) over turned pools: NumPy's tokens, prefix hits alike."""
+    backend_or_skip("jax")
+    config, params, model = tiny
+    runs, hits = [], []
+    for backend in ("numpy", "jax"):
+        engine = Engine(model, backend=backend, pages=128, kv="int4-turned", **COMMON)
+        runs.append([r.tokens for r in chat(engine, conversations=3)])
+        hits.append(engine.figures()["cached_tokens"])
+    assert runs[0] == runs[1] and hits[0] == hits[1] > 0
 
 
 def test_a_quantized_page_takes_its_codes_and_scales_bytes(tiny):
