@@ -338,11 +338,8 @@ def check(fn: str, name: str, pool: Quantized, backend: Any) -> None:
     """A quantized pool's own obligations, each failure naming ``cacheidx.{fn}``: its codes
     ``[slots, kv, w]`` int8 or uint8, its scales ``[slots, kv]`` of real floats, both of the
     index's library (``backend``'s)."""
+    of_library(fn, name, pool, backend)
     codes, scales = pool
-    for part, x in (("codes", codes), ("scales", scales)):
-        if not backend.same_library(x):
-            raise TypeError(f"cacheidx.{fn}: {name}.{part} must be an array of the index's "
-                            f"library ({backend.name}), got {type(x).__name__}")
     xp = backend.xp
     if codes.dtype not in (xp.int8, xp.uint8):
         raise TypeError(f"cacheidx.{fn}: {name}.codes must be int8 (8 bits) or uint8 (4 bits, "
@@ -354,6 +351,15 @@ def check(fn: str, name: str, pool: Quantized, backend: Any) -> None:
         raise arguments.fail(fn, f"{name} must hold codes [slots, kv_heads, dim] and scales "
                              f"[slots, kv_heads], got codes {list(codes.shape)} and scales "
                              f"{list(scales.shape)}")
+
+
+def of_library(fn: str, name: str, pool: Any, backend: Any) -> None:
+    """Each part of a pool of codes (a named tuple: :class:`Quantized`, a turned pool) is an
+    array of the index's library, else a ``TypeError`` naming ``cacheidx.{fn}`` and the part."""
+    for part, x in zip(pool._fields, pool):
+        if not backend.same_library(x):
+            raise TypeError(f"cacheidx.{fn}: {name}.{part} must be an array of the index's "
+                            f"library ({backend.name}), got {type(x).__name__}")
 
 
 def values_for(fn: str, name: str, values: Any, xp: Any) -> None:

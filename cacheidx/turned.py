@@ -266,10 +266,7 @@ def zeros(slots: int, kv_heads: int, dim: int, *, group: int = 16, xp: Any = Non
 
 def check(fn: str, name: str, pool: Turned, backend: Any) -> None:
     """A turned pool's own obligations, each failure naming ``cacheidx.{fn}``."""
-    for part, x in zip(Turned._fields, pool):
-        if not backend.same_library(x):
-            raise TypeError(f"cacheidx.{fn}: {name}.{part} must be an array of the index's "
-                            f"library ({backend.name}), got {type(x).__name__}")
+    quantized.of_library(fn, name, pool, backend)
     xp = backend.xp
     codes, scales, zero = pool
     if codes.dtype != xp.uint8 or zero.dtype != xp.int8:

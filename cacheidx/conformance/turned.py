@@ -131,8 +131,7 @@ def awkward(seed: int, n: int = ROWS) -> np.ndarray:
 def pooled(case: Case, parts: tuple, head: bool) -> Turned:
     """Host ``(codes, scales, zeros)`` as a turned pool of the case, head-major where ``head``."""
     xp = case.xp
-    dtypes = (xp.uint8, library.half(xp) if parts[1].dtype == np.float16 else xp.float32,
-              xp.int8)
+    dtypes = (xp.uint8, scale_dtype(case, parts[1].dtype), xp.int8)
     if not head:
         return Turned(*(case.array(p, dtype=t) for p, t in zip(parts, dtypes)))
     return Turned(*(xp.permute_dims(case.array(np.ascontiguousarray(p.transpose(1, 0, 2)),
