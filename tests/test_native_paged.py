@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cacheidx as ci
-from cacheidx import quantized
+from cacheidx import quantized, turned
 from cacheidx.attention import layout, native, paged, runs
 from cacheidx.attention.softmax import reference
 
@@ -60,7 +60,7 @@ def used(monkeypatch) -> list[bool]:
 
 
 def step(lib: str, rng, lens, *, kind="float32", window=None, shared=0, sinks=False,
-         order="head", width=None):
+         order="head", width=None, group=16):
     """A decode step's arguments: ``(index, q, k, v, kpool, vpool, sinks)``, the pools holding
     random rows at every slot, lane ``b`` at position ``lens[b] - 1`` (-1: padding)."""
     torch = lib_or_skip(lib)
@@ -80,9 +80,12 @@ def step(lib: str, rng, lens, *, kind="float32", window=None, shared=0, sinks=Fa
         return rng.standard_normal(shape).astype(f32)
 
     def pool(x):
-        if kind in ("int8", "int4"):
-            bits = 8 if kind == "int8" else 4
-            empty = quantized.zeros(n, KV, D, bits=bits, xp=lib, layout=order)
+        if kind in ("int8", "int4", "turned"):
+            if kind == "turned":
+                empty = turned.zeros(n, KV, D, group=group, xp=lib)
+            else:
+                empty = quantized.zeros(n, KV, D, bits=8 if kind == "int8" else 4, xp=lib,
+                                        layout=order)
             everyone = ci.make(conv(np.zeros((1, n), np.int64) + np.arange(n)[None, :]),
                                conv(np.arange(n)[None, :]))
             return everyone.extend(xp.asarray(conv(x[None])), empty, donate=True)[1]
@@ -94,7 +97,7 @@ def step(lib: str, rng, lens, *, kind="float32", window=None, shared=0, sinks=Fa
         return p
 
     kp, vp = pool(rows(n, KV, D)), pool(rows(n, KV, D))
-    dt = getattr(xp, kind) if kind not in ("int8", "int4") else xp.float32
+    dt = getattr(xp, kind) if kind not in ("int8", "int4", "turned") else xp.float32
     q = xp.asarray(conv(rows(lanes, 1, KV * G, D)))
     k, v = (xp.astype(xp.asarray(conv(rows(lanes, 1, KV, D))), dt) for _ in range(2))
     s = xp.asarray(conv(rows(KV * G))) if sinks else None
@@ -176,6 +179,19 @@ def test_lanes_sharing_a_prefix_are_read_once_by_the_core_or_by_the_kernel_apart
     with runs.unshared():
         check(*args)
     assert read[1:] == [max(lens)]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("shared", [0, 256])
+def test_the_kernel_refuses_pools_of_a_kind_it_does_not_read(lib, shared, monkeypatch):
+    """Turned pools (codes with a scale and zero per group) pass for int4 codes with one scale
+    per token by their parts alone: every entry of the kernel refuses them by their kind, and
+    the core's answer equals the reference, with a prefix shared or not."""
+    kernel_or_skip()
+    calls = used(monkeypatch)
+    check(*step(lib, np.random.default_rng(4), [300, 290, 310], shared=shared, kind="turned"),
+          atol=4e-3)
+    assert not any(calls), "the kernel read turned pools as int4 codes"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -48,7 +48,12 @@ THREADED = 1 << 16
 def _pool(pool: Any) -> tuple[int, int, int, int, int, int, int, int] | None:
     """A pool's ``(kind, address, slot stride, head stride, scales' kind, address, slot
     stride, head stride)`` for the paged kernel (strides in elements; a float pool's scales
-    zero), or ``None`` where it cannot read it."""
+    zero), or ``None`` where it cannot read it: a kind of pool whose :class:`~cacheidx.pools.Kind`
+    does not say ``kernel`` (codes turned with zeros per group, say) is refused here, whoever
+    calls, since its parts alone would pass for codes with one scale per token."""
+    of = pools.kind(pool)
+    if not (of is pools.FLOATS or of.kernel):
+        return None
     codes, scales = (pool.codes, pool.scales) if hasattr(pool, "codes") else (pool, None)
     got = memory(codes)
     kind = KINDS.get(str(codes.dtype).rsplit(".", 1)[-1])
