@@ -20,7 +20,8 @@ other processes held the cores, its CPU time only its own, so the CPU ratio is t
 there (at 1 thread; at 2 it is the cores' time the step cost).
 
     python benchmarks/paged_reads.py [--json PATH] [--contexts 1024 4096 16384] [--lanes 8 32]
-                                     [--steps N] [--kv float32 int8] [--threads 1 2]
+                                     [--steps N] [--kv float32 int8 int4-turned]
+                                     [--threads 1 2]
 
 With ``--kernel`` it times the kernel alone instead: one layer's read (SmolLM2's 3 kv heads of
 64, its 3 query heads a kv head) of every lane's shuffled pages by one call of
@@ -77,7 +78,8 @@ def shuffled_table(lanes: int, width: int, seed: int = 3) -> tuple[np.ndarray, i
 
 def cacheidx_paged(config, params, layers, first, context: int, steps: int, kv: str,
                    kernel: bool):
-    """cacheidx on torch over paged pools (``kv``: float32 or int8), the kernel on or off."""
+    """cacheidx on torch over paged pools (``kv``: float32, int8 or int4-turned), the kernel
+    on or off."""
     import torch
 
     import cacheidx as ci
@@ -163,9 +165,13 @@ def step_flops(config, params, lanes: int, context: int) -> float:
 
 
 def row_bytes(config, kv: str) -> int:
-    """Bytes one token's keys and values cost over every layer (int8: codes and scales)."""
-    per = config.kv_heads * (config.head_dim * 4 if kv == "float32" else config.head_dim + 4)
-    return 2 * config.layers * per
+    """Bytes one token's keys and values cost over every layer (codes, scales and zero points
+    for quantized pools): those of one slot of the pools the model makes."""
+    from cacheidx import pools as kinds
+    from cacheidx.models import llama
+
+    empty = llama.empty_pools(config, 1, xp="numpy", kv=None if kv == "float32" else kv)
+    return sum(part.nbytes for pair in empty for pool in pair for part in kinds.parts(pool))
 
 
 def rows_for(model, config, params, bw, context, lanes, steps, kvs, threads,
@@ -244,8 +250,10 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     import torch
 
     import cacheidx as ci
-    from cacheidx import quantized
+    from cacheidx import pools as kinds
+    from cacheidx import quantized, turned
     from cacheidx.attention import layout, native
+    from cacheidx.models import llama
 
     heads, g, d = 3, 3, 64
     rng = np.random.default_rng(0)
@@ -253,9 +261,14 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     start, stop = np.zeros(lanes, np.int64), np.full(lanes, context, np.int64)
     q = torch.as_tensor(rng.standard_normal((lanes, heads, g, d), dtype=np.float32)) / 8
     pools = []
-    for _ in range(2):  # head-major pools as the engine makes them (page-aligned memory)
+    for part in range(2):  # head-major pools as the engine makes them (page-aligned memory)
         x = torch.as_tensor(rng.standard_normal((n, heads, d), dtype=np.float32))
-        if kv == "int8":
+        if kv == "int4-turned":  # the engine's groups: keys', then values'
+            pool = turned.zeros(n, heads, d, group=llama.turned_groups(d)[part], xp="torch",
+                                layout="head")
+            for into, made in zip(pool, turned.quantize(x, pool.group), strict=True):
+                into[...] = made
+        elif kv == "int8":
             pool = quantized.zeros(n, heads, d, bits=8, xp="torch", layout="head")
             codes, scales = quantized.quantize(x, 8)
             pool.codes[...], pool.scales[...] = codes, scales
@@ -271,7 +284,7 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
             raise SystemExit("the CPU kernel is not built here (see docs/backends.md)")
         seconds.append(time.process_time() - c0)
     seconds = seconds[1:]
-    row = lanes * context * heads * 2 * (d * 4 if kv == "float32" else d + 4)
+    row = lanes * context * sum(p.nbytes for pool in pools for p in kinds.parts(pool)) // n
     med = statistics.median(seconds)
     return {"lanes": lanes, "context": context, "kv": kv, "cpu_ms": 1e3 * med,
             "fastest_ms": 1e3 * min(seconds), "gb_per_s": row / med / 1e9}
@@ -283,7 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--lanes", type=int, nargs="+", default=[8, 32])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--kv", nargs="+", default=["float32", "int8"], choices=["float32", "int8"])
+    p.add_argument("--kv", nargs="+", default=["float32", "int8"],
+                   choices=["float32", "int8", "int4-turned"])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--kernel", action="store_true", help="time the kernel alone, one layer")
     args = p.parse_args(argv)

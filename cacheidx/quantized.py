@@ -376,7 +376,7 @@ class _Codes:
 
     name = "quantized"
     cast = True
-    kernel = True
+    kernel = frozenset({"paged", "run"})
 
     def parts(self, pool: Any) -> tuple[Any, ...]:
         return tuple(pool)

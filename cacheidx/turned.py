@@ -288,11 +288,12 @@ def check(fn: str, name: str, pool: Turned, backend: Any) -> None:
 class _Turned:
     """The kind of a :class:`Turned` pool (:class:`cacheidx.pools.Kind`): it stores each row's
     codes, scales and zero points (T1, T2); a read stands for their turned-back values (T3),
-    decoded a chunk at a time. The CPU kernel does not read it (the array-API path does)."""
+    decoded a chunk at a time. The CPU kernel's paged entry reads it (a decode step's query
+    and output turned around the call); a run of slots is the array-API path's."""
 
     name = "turned"
     cast = True
-    kernel = False
+    kernel = frozenset({"paged"})
 
     def parts(self, pool: Any) -> tuple[Any, ...]:
         return tuple(pool)
@@ -336,18 +337,20 @@ def _device(x: Any) -> Any:
 def _back(xp: Any, d: int, dtype: Any, device: Any) -> Any:
     """``H / b`` as a ``[d, d]`` matrix in ``xp`` on ``device`` (a copy: the cached one is
     never an array a caller could write)."""
-    return xp.asarray(_back_host(d), dtype=dtype, device=device, copy=True)
+    return xp.asarray(back_host(d), dtype=dtype, device=device, copy=True)
 
 
 @functools.cache
-def _back_host(d: int) -> np.ndarray:
+def back_host(d: int) -> np.ndarray:
     """``H / b`` as a ``[d, d]`` NumPy matrix (block-diagonal, ``b`` = :func:`block` of ``d``),
-    each entry ``±1 / b``, exact."""
+    each entry ``±1 / b``, exact; cached, so read-only (``writeable`` off)."""
     b = block(d)
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < b:
         h = np.block([[h, h], [h, -h]])
-    return np.kron(np.eye(d // b, dtype=np.float32), h) * np.float32(1 / b)
+    out = np.kron(np.eye(d // b, dtype=np.float32), h) * np.float32(1 / b)
+    out.flags.writeable = False
+    return out
 
 
 pools.register(Turned, _Turned())

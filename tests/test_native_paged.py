@@ -82,7 +82,7 @@ def step(lib: str, rng, lens, *, kind="float32", window=None, shared=0, sinks=Fa
     def pool(x):
         if kind in ("int8", "int4", "turned"):
             if kind == "turned":
-                empty = turned.zeros(n, KV, D, group=group, xp=lib)
+                empty = turned.zeros(n, KV, D, group=group, xp=lib, layout=order)
             else:
                 empty = quantized.zeros(n, KV, D, bits=8 if kind == "int8" else 4, xp=lib,
                                         layout=order)
@@ -182,16 +182,34 @@ def test_lanes_sharing_a_prefix_are_read_once_by_the_core_or_by_the_kernel_apart
 
 
 @pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize(("group", "order", "shared"), [(16, "token", 0), (64, "head", 0),
+                                                        (16, "head", 256), (32, "token", 256)])
+def test_paged_decode_reads_turned_pools_as_their_rows(lib, group, order, shared, monkeypatch):
+    """Turned pools (:mod:`cacheidx.turned`): the kernel reads each row's codes above their
+    zero points, a scale a group (T3's first half, bit for bit), the query turned before the
+    call and the output after it; the answer is the reference's over the rows the pools
+    stand for (``extend``'s seen), to float32's rounding, a prefix shared or not."""
+    kernel_or_skip()
+    calls = used(monkeypatch)
+    args = step(lib, np.random.default_rng(4), [300, 290, 310], shared=shared, kind="turned",
+                group=group, order=order)
+    check(*args, atol=2e-5)
+    assert calls and all(calls), "the step went through the paged kernel"
+
+
+@pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("shared", [0, 256])
 def test_the_kernel_refuses_pools_of_a_kind_it_does_not_read(lib, shared, monkeypatch):
-    """Turned pools (codes with a scale and zero per group) pass for int4 codes with one scale
-    per token by their parts alone: every entry of the kernel refuses them by their kind, and
-    the core's answer equals the reference, with a prefix shared or not."""
+    """A kind whose :class:`~cacheidx.pools.Kind` does not name the paged entry: every entry
+    of the kernel refuses it by its kind (its parts alone would pass for int4 codes with one
+    scale a token), and the core's answer equals the reference, a prefix shared or not."""
     kernel_or_skip()
+    monkeypatch.setattr(type(ci.pools.kind(turned.zeros(1, 1, 2, group=2))), "kernel",
+                        frozenset())
     calls = used(monkeypatch)
     check(*step(lib, np.random.default_rng(4), [300, 290, 310], shared=shared, kind="turned"),
           atol=4e-3)
-    assert not any(calls), "the kernel read turned pools as int4 codes"
+    assert not any(calls), "the kernel read a kind it does not name"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

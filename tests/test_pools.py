@@ -34,7 +34,7 @@ class Scaled(NamedTuple):
 class _ScaledKind:
     name = "test-scaled"
     cast = False
-    kernel = False
+    kernel = frozenset()
 
     def parts(self, pool):
         return tuple(pool)

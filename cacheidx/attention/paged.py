@@ -60,9 +60,8 @@ def applies(call: Any) -> bool:
             or index.draft_slots is not None or call.softcap is not None
             or index.backend.tracing(index.pos)):
         return False
-    if not all(kind is pools.FLOATS or kind.kernel
-               for kind in (pools.kind(call.kpool), pools.kind(call.vpool))):
-        return False  # the kernel reads floats, and codes with one scale per token
+    if not all("paged" in pools.kind(pool).kernel for pool in (call.kpool, call.vpool)):
+        return False  # the kinds the kernel's paged entry reads
     arrays = [q, call.k, call.v, *pools.parts(call.kpool), *pools.parts(call.vpool)]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor):

@@ -302,7 +302,7 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int,
     kinds = pools.kind(kpool), pools.kind(vpool)
     quantized = kinds[0].cast or kinds[1].cast
     # the CPU kernel reads a run every query sees whole, its codes cast in registers
-    native_ok = kinds[0].kernel and kinds[1].kernel and call.softcap is None
+    native_ok = all("run" in kind.kernel for kind in kinds) and call.softcap is None
     # quantized, a product reads its codes cast to floats: a chunk's worth at a time, so that
     # no float copy of the run is made (and the cast stays in the core's cache)
     row = int(kpool.shape[1]) * int(kpool.shape[2]) * (

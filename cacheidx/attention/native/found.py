@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["ABI", "Paged", "Run", "kernel", "library", "off"]
 
 #: the struct layouts' version, the module's ``layout()["abi"]``
-ABI = 2
+ABI = 3
 
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 
@@ -33,11 +33,12 @@ class Paged(ctypes.Structure):
     """``cacheidx_paged_args`` of ``kernel.c``, field for field."""
 
     _fields_ = [("lanes", _i), ("kv", _i), ("g", _i), ("d", _i), ("dv", _i),
-                ("kkind", _i), ("vkind", _i), ("kskind", _i), ("vskind", _i), ("threads", _i),
+                ("kkind", _i), ("vkind", _i), ("kskind", _i), ("vskind", _i), ("kgroup", _i),
+                ("vgroup", _i), ("threads", _i),
                 ("q", _p), ("table", _p), ("table_stride", _l), ("start", _p), ("stop", _p),
                 ("k", _p), ("kst", _l), ("khs", _l), ("ks", _p), ("kss", _l), ("kshs", _l),
                 ("v", _p), ("vst", _l), ("vhs", _l), ("vs", _p), ("vss", _l), ("vshs", _l),
-                ("m", _p), ("l", _p), ("acc", _p)]
+                ("kz", _p), ("vz", _p), ("m", _p), ("l", _p), ("acc", _p)]
 
 
 class Run(ctypes.Structure):

@@ -151,8 +151,12 @@ INLINE void row(const uint8_t *restrict c, int d, int bits, float *restrict out)
     }
 }
 
-/* the kinds of element a pool (or its scales) holds */
-enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, I4 = 4 };
+/* the kinds of element a pool (or its scales) holds: G4 turned 4-bit codes, unsigned, above
+   a zero point, a scale and zero point a group of channels (cacheidx/turned.py) */
+enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, I4 = 4, G4 = 5 };
+
+/* whether a kind's rows take one scale a row (folded into a score, or a value's weight) */
+INLINE int scaled(int k) { return k == I8 || k == I4; }
 
 INLINE float from_bf16(uint16_t h) {
     union { uint32_t i; float f; } u = { (uint32_t)h << 16 };
@@ -197,27 +201,46 @@ INLINE const float *load(
 /* bytes an element of kind k takes (codes: a byte, two 4-bit codes) */
 INLINE long width(int k) { return k == F32 ? 4 : k <= BF16 ? 2 : 1; }
 
-/* asks the processor for the d elements of kind k at p, one cache line at a time, into its
-   second-level cache (into the first, they would hold the line fill buffers demand reads need) */
-INLINE void ahead(const char *p, int d, int k) {
-    long bytes = k == I4 ? d / 2 : d * width(k);
-    for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x, 0, 2);
-}
-
 INLINE float scale_at(const void *base, long off, int k) {
     if (k == F32) return ((const float *)base)[off];
     uint16_t h = ((const uint16_t *)base)[off];
     return k == F16 ? from_f16(h) : from_bf16(h);
 }
 
+/* A turned row (G4) as floats, turned.py's law T3's first half: y_i = (c_i - z) s over each
+   group of g channels, the difference an exact integer and one product, as the array path
+   computes it (bit for bit); codes packed as I4's. Padded with zeros to dp. */
+INLINE const float *turned_row(const uint8_t *restrict c, const void *sc, long soff, int sk,
+                               const int8_t *restrict z, int d, int dp, int g,
+                               float *restrict buf) {
+    const int h = d / 2;
+    for (int i = 0; i < h; i++) buf[i] = (float)(int)(c[i] & 15);
+    for (int i = 0; i < h; i++) buf[i + h] = (float)(int)(c[i] >> 4);
+    for (int j = 0; j < d / g; j++) {
+        const float s = scale_at(sc, soff + j, sk), zf = (float)z[soff + j];
+        for (int i = j * g; i < (j + 1) * g; i++) buf[i] = (buf[i] - zf) * s;
+    }
+    for (int i = d; i < dp; i++) buf[i] = 0.0f;
+    return buf;
+}
+
+/* asks the processor for the d elements of kind k at p, one cache line at a time, into its
+   second-level cache (into the first, they would hold the line fill buffers demand reads need) */
+INLINE void ahead(const char *p, int d, int k) {
+    long bytes = k == I4 || k == G4 ? d / 2 : d * width(k);
+    for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x, 0, 2);
+}
+
 /* Where one kv head's key and value rows lie: the rows of column t at slot s (s = slots[t],
    or t itself where slots is NULL) start at k + s kst elements (bytes for codes), their
-   scales (I8 and I4 pools) at ks + s kss; values alike. */
+   scales (I8 and I4 pools: one a row; G4: one a group) at ks + s kss, a G4 row's zero points
+   at kz + s kss (int8, laid out as its scales); values alike. */
 typedef struct {
     const void *k, *ks, *v, *vs;
     long kst, kss, vst, vss;
     int kk, vk, ksk, vsk;          /* the rows' kinds and their scales' */
     const int64_t *slots;
+    const int8_t *kz, *vz;         /* G4's zero points (NULL for other kinds) */
 } source;
 
 /* The online softmax's state (M, L, A: [g], [g], [g, dv]) of g query rows q [g, d] (scaled)
@@ -230,7 +253,7 @@ typedef struct {
    weighs the call as its laws say). A score of -inf weighs nothing; a row whose scores are
    all -inf keeps M = -inf, L = 0, A = 0 (never exp(-inf - -inf)). */
 INLINE int attend(const source *src, long c0, long c1, const float *q, int g, int d, int dv,
-                  int kk, int vk, float *M, float *L, float *A) {
+                  int kk, int vk, int kg, int vg, float *M, float *L, float *A) {
     const int dp = (d + LANES - 1) / LANES * LANES, dvp = (dv + LANES - 1) / LANES * LANES;
     const int nd = dp / LANES, ndv = dvp / LANES;
     for (int i = 0; i < g * d; i++) if (!is_finite(q[i])) return 1;
@@ -260,8 +283,11 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
                     ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
                     ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
                 }
-                rows[c] = load(src->k, s * src->kst, kk, d, dp, kbuf + c * dp);
-                ksc[c] = kk >= I8 ? scale_at(src->ks, s * src->kss, src->ksk) : 1.0f;
+                rows[c] = kk == G4
+                    ? turned_row((const uint8_t *)src->k + s * src->kst, src->ks, s * src->kss,
+                                 src->ksk, src->kz, d, dp, kg, kbuf + c * dp)
+                    : load(src->k, s * src->kst, kk, d, dp, kbuf + c * dp);
+                ksc[c] = scaled(kk) ? scale_at(src->ks, s * src->kss, src->ksk) : 1.0f;
             }
             for (int r = 0; r < g; r++) {
                 const float *qq = qr + r * dp;
@@ -273,7 +299,7 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
                     p[c] = x;
                 }
                 vf got = sums(p);
-                if (kk >= I8) got *= vload(ksc);
+                if (scaled(kk)) got *= vload(ksc);
                 vstore(&z[r][j0], got);  /* past n: columns read twice, never weighed */
             }
         }
@@ -296,12 +322,15 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < n; c++) {
                 long t = t0 + j0 + c, s = slots ? slots[t] : t;
-                rows[c] = load(src->v, s * src->vst, vk, dv, dvp, vbuf + c * dvp);
-                vsc[c] = vk >= I8 ? scale_at(src->vs, s * src->vss, src->vsk) : 1.0f;
+                rows[c] = vk == G4
+                    ? turned_row((const uint8_t *)src->v + s * src->vst, src->vs, s * src->vss,
+                                 src->vsk, src->vz, dv, dvp, vg, vbuf + c * dvp)
+                    : load(src->v, s * src->vst, vk, dv, dvp, vbuf + c * dvp);
+                vsc[c] = scaled(vk) ? scale_at(src->vs, s * src->vss, src->vsk) : 1.0f;
             }
             for (int r = 0; r < g; r++) {
                 float w[LANES];
-                for (int c = 0; c < n; c++) w[c] = vk >= I8 ? z[r][j0 + c] * vsc[c] : z[r][j0 + c];
+                for (int c = 0; c < n; c++) w[c] = scaled(vk) ? z[r][j0 + c] * vsc[c] : z[r][j0 + c];
                 /* eight accumulators at a time, each a chain of its own: one chain would
                    wait out each addition's latency */
                 for (int e0 = 0; e0 < ndv; e0 += 8) {
@@ -338,8 +367,8 @@ typedef struct {
    bits), their scales at ks[t kss + h khs2], values alike; query rows q[h m d ...]. */
 #define RUN(D, K) attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2, \
         a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss, a->vst, a->vss, \
-        K, K, F32, F32, NULL }, 0, a->T, a->q + (long)h * a->m * D, a->m, D, D, K, K, \
-        a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * D)
+        K, K, F32, F32, NULL, NULL, NULL }, 0, a->T, a->q + (long)h * a->m * D, a->m, D, D, \
+        K, K, 0, 0, a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * D)
 CLONES static int cacheidx_run(const cacheidx_run_args *a) {
     if (a->m > ROWS || a->m < 1 || a->T <= 0 || a->d > WIDEST || a->dv > WIDEST
         || (a->kbits != 8 && a->kbits != 4) || (a->vbits != 8 && a->vbits != 4)) return 1;
@@ -351,9 +380,9 @@ CLONES static int cacheidx_run(const cacheidx_run_args *a) {
             bad = kk == I8 ? RUN(128, I8) : RUN(128, I4);
         else bad = attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2,
                                      a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss,
-                                     a->vst, a->vss, kk, vk, F32, F32, NULL },
+                                     a->vst, a->vss, kk, vk, F32, F32, NULL, NULL, NULL },
                           0, a->T, a->q + (long)h * a->m * a->d, a->m, a->d, a->dv, kk, vk,
-                          a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * a->dv);
+                          0, 0, a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * a->dv);
         if (bad) return 1;
     }
     return 0;
@@ -364,8 +393,9 @@ CLONES static int cacheidx_run(const cacheidx_run_args *a) {
 /* The arguments of one paged call, by name (native/found.py's Paged mirrors them). */
 typedef struct {
     int lanes, kv, g, d, dv;    /* g: query rows a kv head (grouped heads of one token) */
-    int kkind, vkind;           /* F32, F16, BF16, I8 or I4 */
-    int kskind, vskind;         /* the scales' kind (F32, F16, BF16), for I8 and I4 pools */
+    int kkind, vkind;           /* F32, F16, BF16, I8, I4 or G4 */
+    int kskind, vskind;         /* the scales' kind (F32, F16, BF16), for I8, I4 and G4 pools */
+    int kgroup, vgroup;         /* G4: channels a scale and zero point (0 for other kinds) */
     int threads;
     const float *q;             /* [lanes, kv, g, d], scaled */
     const int64_t *table;       /* lane b's slot of column c: table[b * table_stride + c] */
@@ -375,12 +405,14 @@ typedef struct {
     const void *ks; long kss, kshs;
     const void *v; long vst, vhs;
     const void *vs; long vss, vshs;
+    const int8_t *kz, *vz;      /* G4: zero points, laid out as the scales (NULL otherwise) */
     float *m, *l, *acc;         /* [lanes, kv, g] twice, [lanes, kv, g, dv] */
 } cacheidx_paged_args;
 
 /* lane b at kv head h: its g query rows over its seen columns, read through its row of the
    table (pages in any order, one slot a column), with attend's law */
-INLINE int lane(const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk) {
+INLINE int lane(const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk,
+                int kg, int vg) {
     const long at = (long)b * a->kv + h;
     const source s = {  /* kv head h's rows and scales (a float pool's scale strides are 0) */
         (const char *)a->k + h * a->khs * width(kk),
@@ -388,29 +420,34 @@ INLINE int lane(const cacheidx_paged_args *a, int b, int h, int d, int dv, int k
         (const char *)a->v + h * a->vhs * width(vk),
         (const char *)a->vs + h * a->vshs * width(a->vskind),
         a->kst, a->kss, a->vst, a->vss, kk, vk, a->kskind, a->vskind,
-        a->table + (long)b * a->table_stride };
-    return attend(&s, a->start[b], a->stop[b], a->q + at * a->g * d, a->g, d, dv, kk, vk,
-                  a->m + at * a->g, a->l + at * a->g, a->acc + at * a->g * dv);
+        a->table + (long)b * a->table_stride,
+        a->kz ? a->kz + h * a->kshs : NULL, a->vz ? a->vz + h * a->vshs : NULL };
+    return attend(&s, a->start[b], a->stop[b], a->q + at * a->g * d, a->g, d, dv, kk, vk, kg,
+                  vg, a->m + at * a->g, a->l + at * a->g, a->acc + at * a->g * dv);
 }
 
-/* one lane and kv head, its head dims and kinds made constants where they are the common
-   ones (the loops then unroll and vectorise whole) */
-#define LANE(D, K) lane(a, b, h, D, D, K, K)
+/* one lane and kv head, its head dims and kinds (and a turned pool's groups) made constants
+   where they are the common ones (the loops then unroll and vectorise whole) */
+#define LANE(D, K) lane(a, b, h, D, D, K, K, a->kgroup, a->vgroup)
+#define TURNED(D) (a->kgroup == 16 && a->vgroup == 64 ? lane(a, b, h, D, D, G4, G4, 16, 64) \
+                   : LANE(D, G4))
 CLONES static int one(const cacheidx_paged_args *a, int b, int h) {
     int d = a->d, kk = a->kkind;
     if (d == a->dv && kk == a->vkind) {
         if (d == 64) switch (kk) {
             case F32: return LANE(64, F32); case F16: return LANE(64, F16);
             case BF16: return LANE(64, BF16); case I8: return LANE(64, I8);
-            default: return LANE(64, I4);
+            case I4: return LANE(64, I4); case G4: return TURNED(64);
+            default: break;
         }
         if (d == 128) switch (kk) {
             case F32: return LANE(128, F32); case F16: return LANE(128, F16);
             case BF16: return LANE(128, BF16); case I8: return LANE(128, I8);
-            default: return LANE(128, I4);
+            case I4: return LANE(128, I4); case G4: return TURNED(128);
+            default: break;
         }
     }
-    return lane(a, b, h, a->d, a->dv, a->kkind, a->vkind);
+    return lane(a, b, h, a->d, a->dv, a->kkind, a->vkind, a->kgroup, a->vgroup);
 }
 
 typedef struct { const cacheidx_paged_args *a; int next, bad; } work;
@@ -432,8 +469,11 @@ enum { MOST_THREADS = 64 };
 /* The paged call: 0, or 1 where it was refused (bad arguments, or a lane's, see lane()). */
 static int cacheidx_paged(const cacheidx_paged_args *a) {
     if (a->g < 1 || a->g > ROWS || a->d < 1 || a->dv < 1 || a->d > WIDEST || a->dv > WIDEST
-        || a->kkind < F32 || a->kkind > I4 || a->vkind < F32 || a->vkind > I4
-        || (a->kkind == I4 && a->d % 2) || (a->vkind == I4 && a->dv % 2)) return 1;
+        || a->kkind < F32 || a->kkind > G4 || a->vkind < F32 || a->vkind > G4
+        || (a->kkind >= I4 && a->d % 2) || (a->vkind >= I4 && a->dv % 2)
+        || (a->kkind == G4 && (a->kz == NULL || a->kgroup < 1 || a->d % a->kgroup))
+        || (a->vkind == G4 && (a->vz == NULL || a->vgroup < 1 || a->dv % a->vgroup)))
+        return 1;
     work w = { a, 0, 0 };
     int n = a->lanes * a->kv, threads = a->threads < n ? a->threads : n;
     if (threads > MOST_THREADS) threads = MOST_THREADS;
@@ -496,12 +536,13 @@ static PyObject *py_run(PyObject *self, PyObject *arg) {
 #define FIELD(S, F) Py_BuildValue("(sn)", #F, (Py_ssize_t)offsetof(S, F))
 static PyObject *py_layout(PyObject *self, PyObject *unused) {
     PyObject *paged = Py_BuildValue(
-        "(n[NNNNNNNNNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_paged_args),
+        "(n[NNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_paged_args),
         FIELD(cacheidx_paged_args, lanes), FIELD(cacheidx_paged_args, kv),
         FIELD(cacheidx_paged_args, g), FIELD(cacheidx_paged_args, d),
         FIELD(cacheidx_paged_args, dv), FIELD(cacheidx_paged_args, kkind),
         FIELD(cacheidx_paged_args, vkind), FIELD(cacheidx_paged_args, kskind),
-        FIELD(cacheidx_paged_args, vskind), FIELD(cacheidx_paged_args, threads),
+        FIELD(cacheidx_paged_args, vskind), FIELD(cacheidx_paged_args, kgroup),
+        FIELD(cacheidx_paged_args, vgroup), FIELD(cacheidx_paged_args, threads),
         FIELD(cacheidx_paged_args, q), FIELD(cacheidx_paged_args, table),
         FIELD(cacheidx_paged_args, table_stride), FIELD(cacheidx_paged_args, start),
         FIELD(cacheidx_paged_args, stop), FIELD(cacheidx_paged_args, k),
@@ -510,7 +551,8 @@ static PyObject *py_layout(PyObject *self, PyObject *unused) {
         FIELD(cacheidx_paged_args, kshs), FIELD(cacheidx_paged_args, v),
         FIELD(cacheidx_paged_args, vst), FIELD(cacheidx_paged_args, vhs),
         FIELD(cacheidx_paged_args, vs), FIELD(cacheidx_paged_args, vss),
-        FIELD(cacheidx_paged_args, vshs), FIELD(cacheidx_paged_args, m),
+        FIELD(cacheidx_paged_args, vshs), FIELD(cacheidx_paged_args, kz),
+        FIELD(cacheidx_paged_args, vz), FIELD(cacheidx_paged_args, m),
         FIELD(cacheidx_paged_args, l), FIELD(cacheidx_paged_args, acc));
     PyObject *run = Py_BuildValue(
         "(n[NNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_run_args),
@@ -526,7 +568,7 @@ static PyObject *py_layout(PyObject *self, PyObject *unused) {
         FIELD(cacheidx_run_args, lo), FIELD(cacheidx_run_args, acc));
     if (paged == NULL || run == NULL) { Py_XDECREF(paged); Py_XDECREF(run); return NULL; }
     return Py_BuildValue("{sNsNsisisi}", "paged", paged, "run", run, "rows", (int)ROWS,
-                         "widest", (int)WIDEST, "abi", 2);
+                         "widest", (int)WIDEST, "abi", 3);
 }
 
 static PyMethodDef methods[] = {
