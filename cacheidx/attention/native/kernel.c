@@ -91,6 +91,7 @@ INLINE float largest(const float *a, int n) {
    so every clone computes the same bits */
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint8_t vb __attribute__((vector_size(LANES)));
 
 INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 INLINE void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
@@ -214,11 +215,24 @@ INLINE const float *turned_row(const uint8_t *restrict c, const void *sc, long s
                                const int8_t *restrict z, int d, int dp, int g,
                                float *restrict buf) {
     const int h = d / 2;
-    for (int i = 0; i < h; i++) buf[i] = (float)(int)(c[i] & 15);
-    for (int i = 0; i < h; i++) buf[i + h] = (float)(int)(c[i] >> 4);
-    for (int j = 0; j < d / g; j++) {
-        const float s = scale_at(sc, soff + j, sk), zf = (float)z[soff + j];
-        for (int i = j * g; i < (j + 1) * g; i++) buf[i] = (buf[i] - zf) * s;
+    if (h % LANES == 0 && g % LANES == 0) {  /* whole vectors: LANES codes a byte vector */
+        for (int i = 0; i < h; i += LANES) {
+            vb x;
+            memcpy(&x, c + i, sizeof x);
+            vstore(buf + i, __builtin_convertvector(__builtin_convertvector(x & 15, vi), vf));
+            vstore(buf + h + i, __builtin_convertvector(__builtin_convertvector(x >> 4, vi), vf));
+        }
+        for (int i = 0; i < d; i += LANES) {
+            const float s = scale_at(sc, soff + i / g, sk), zf = (float)z[soff + i / g];
+            vstore(buf + i, (vload(buf + i) - zf) * s);
+        }
+    } else {
+        for (int i = 0; i < h; i++) buf[i] = (float)(int)(c[i] & 15);
+        for (int i = 0; i < h; i++) buf[i + h] = (float)(int)(c[i] >> 4);
+        for (int j = 0; j < d / g; j++) {
+            const float s = scale_at(sc, soff + j, sk), zf = (float)z[soff + j];
+            for (int i = j * g; i < (j + 1) * g; i++) buf[i] = (buf[i] - zf) * s;
+        }
     }
     for (int i = d; i < dp; i++) buf[i] = 0.0f;
     return buf;
