@@ -288,12 +288,13 @@ def check(fn: str, name: str, pool: Turned, backend: Any) -> None:
 class _Turned:
     """The kind of a :class:`Turned` pool (:class:`cacheidx.pools.Kind`): it stores each row's
     codes, scales and zero points (T1, T2); a read stands for their turned-back values (T3),
-    decoded a chunk at a time. The CPU kernel's paged entry reads it (a decode step's query
-    and output turned around the call); a run of slots is the array-API path's."""
+    decoded a chunk at a time. The CPU kernel reads it, a decode step's query and output
+    turned around the call: through each lane's row of the table, and a run of slots every
+    query sees whole (by the same paged entry, over the run's slots in order)."""
 
     name = "turned"
     cast = True
-    kernel = frozenset({"paged"})
+    kernel = frozenset({"paged", "run"})
 
     def parts(self, pool: Any) -> tuple[Any, ...]:
         return tuple(pool)

@@ -198,6 +198,33 @@ def test_paged_decode_reads_turned_pools_as_their_rows(lib, group, order, shared
 
 
 @pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize(("group", "order", "lens"), [
+    (16, "head", [300, 290, 310]), (64, "token", [300, 290, 310, 305, 295, 300])])
+def test_a_shared_run_of_turned_slots_is_read_by_the_kernel(lib, group, order, lens,
+                                                             monkeypatch):
+    """Turned pools under a shared prefix: the core reads the prefix once for the lanes sharing
+    it, pages every one of their queries sees whole, and those go through the kernel (its paged
+    entry over their slots in order, the lanes' rows stacked as one lane's queries, at most
+    ``ROWS`` a call: one call for 3 lanes of 3 rows, two for 6), as the lanes' own columns do;
+    the answer is the reference's over the rows the pools stand for."""
+    kernel_or_skip()
+    lanes: list[int] = []
+    real = native.paged
+
+    def spy(q, *rest):
+        got = real(q, *rest)
+        lanes.append(int(q.shape[0]) if got is not None else 0)
+        return got
+
+    monkeypatch.setattr(native, "paged", spy)
+    check(*step(lib, np.random.default_rng(6), lens, shared=256, kind="turned", group=group,
+                order=order), atol=2e-5)
+    calls = -(-len(lens) * G // native.ROWS)
+    assert 0 not in lanes and lanes.count(1) == calls and len(lens) in lanes, (
+        f"the kernel's calls (lanes a call; 0: refused): {lanes}")
+
+
+@pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("shared", [0, 256])
 def test_the_kernel_refuses_pools_of_a_kind_it_does_not_read(lib, shared, monkeypatch):
     """A kind whose :class:`~cacheidx.pools.Kind` does not name the paged entry: every entry

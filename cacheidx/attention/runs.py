@@ -311,15 +311,10 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int,
     if (interleaved or quantized) and longest > (CHUNK if quantized else LONG):
         state.chunk = max(64, CHUNK // row)
     part = None
-    for piece in pieces:
-        if isinstance(piece, Gathered):
-            shape, at = (1, piece.width), gathered[id(piece)]
-            state.add(rows(call.index, kpool, at, shape), rows(call.index, vpool, at, shape),
-                      None)
-            continue
+
+    def fold(piece: Piece) -> None:  # a view of the pools, masked where a query sees part
+        nonlocal part
         c0, c1, s0, full = piece
-        if full and native_ok and _native(state, grouped, i0, i1, kpool, vpool, s0, c1 - c0):
-            continue
         mask = None
         if not full:
             if part is None:
@@ -328,30 +323,57 @@ def _fold(call: Any, state: Any, grouped: Any, i0: int, i1: int,
             mask = masks.sees_columns(part, masks.arange(part, c1 - c0)[None, None, :] + c0)
         state.add(view(kpool, s0, c1 - c0), view(vpool, s0, c1 - c0), mask)
 
+    whole = []  # runs every query sees whole, for the kernel once the others are folded
+    for piece in pieces:
+        if isinstance(piece, Gathered):
+            shape, at = (1, piece.width), gathered[id(piece)]
+            state.add(rows(call.index, kpool, at, shape), rows(call.index, vpool, at, shape),
+                      None)
+        elif piece.full and native_ok:
+            whole.append(piece)
+        else:
+            fold(piece)
+    for piece in _native(state, grouped, i0, i1, kpool, vpool, whole):
+        fold(piece)
 
-def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any, s0: int,
-            width: int) -> bool:
-    """Fold slots ``s0:s0 + width`` of quantized pools into ``state`` through the CPU kernel
-    (:mod:`.native`); False (nothing done) where it does not apply."""
-    from .native import states
+
+def _native(state: Any, grouped: Any, i0: int, i1: int, kpool: Any, vpool: Any,
+            whole: list[Piece]) -> list[Piece]:
+    """Fold runs every query sees whole (``whole``) into ``state`` through the CPU kernel
+    (:mod:`.native`) and return those it did not fold: all of them in one call of its paged
+    entry, their slots one after another as one lane's row of the table, the lanes' rows
+    stacked as that lane's queries."""
+    if not whole:
+        return []
+    from . import native
 
     xp = state.xp
     _, kv, g, _, d = grouped.shape
-    q = xp.reshape(grouped[0, :, :, i0:i1, :], (kv, g * (i1 - i0), d))
-    got = states(q, kpool.map(lambda a: a[s0:s0 + width, ...]),
-                 vpool.map(lambda a: a[s0:s0 + width, ...]))
-    if got is None:
-        return False
-    m, l, acc = got
+    q = xp.reshape(grouped[0, :, :, i0:i1, :], (1, kv, g * (i1 - i0), d))
+    width = np.asarray([p.c1 - p.c0 for p in whole], np.int64)
+    first = np.asarray([p.s0 for p in whole], np.int64)
+    n = int(width.sum())  # each run's slots s0, s0 + 1, ... one after another
+    slots = np.repeat(first - np.cumsum(width) + width, width) + np.arange(n)
+    table = slots[None, :]
+    start: np.ndarray = np.zeros(1, np.int64)
+    stop: np.ndarray = np.full(1, n, np.int64)
+    every = int(q.shape[2])
+    got = []  # the rows in calls of at most ROWS each (lanes stacked under a shared prefix)
+    for r0 in range(0, every, native.ROWS):
+        part = native.paged(q[:, :, r0:r0 + native.ROWS, :], table, start, stop, kpool, vpool)
+        if part is None:
+            return whole
+        got.append(part)
+    m, l, acc = (xp.concat(x, axis=2) if len(x) > 1 else x[0] for x in zip(*got, strict=True))
     if not state.masked and (not state.host or bool(xp.any(m == -xp.inf))):
-        # a query that weighed no column of the run (its scores all -inf): its l may stay zero,
-        # which the state then selects around, as after a mask (asked only in host memory;
-        # selecting around a positive l changes nothing)
+        # a query that weighed no column of the runs (its scores all -inf): its l may stay
+        # zero, which the state then selects around, as after a mask (asked only in host
+        # memory; selecting around a positive l changes nothing)
         state.masked = True
     shape = (1, kv, g, i1 - i0)
     state.merge(xp.reshape(m, (*shape, 1)), xp.reshape(l, (*shape, 1)),
                 xp.reshape(acc, (*shape, state.dv)))
-    return True
+    return []
 
 
 def _in_host_memory(call: Any) -> bool:
