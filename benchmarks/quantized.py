@@ -10,8 +10,8 @@ Three tables, one thread:
 2. **Decode.** Tokens/s of a batch of 8 lanes whose caches hold 4k and 16k tokens, the 2-layer
    shape of ``long_context.py`` (SmolLM2-135M cut to 2 layers, random weights, the same cache
    for every engine): cacheidx's torch path over float32, int8, int4 and int4-turned pools
-   (int4-turned read by the array-API path: the CPU kernel reads it over paged pools
-   only, ``paged_reads.py --kv int4-turned``; and int8 read
+   (every one read by the CPU kernel's paged entry: ``ci.rows`` is a table whose rows are
+   in order; and int8 read
    without the CPU kernel, its codes cast a chunk at a time: ``products``), transformers'
    static cache and its ``QuantizedCache`` (``fp8``, one per-tensor scale: the backend that
    needs no extra package), each step one token per lane and its argmax under

@@ -125,9 +125,8 @@ def test_a_build_that_lays_out_its_arguments_otherwise_is_never_called(fresh):
     calls = []
     stale = types.ModuleType("stale_kernel")
     size, fields = found.layout(found.Paged)
-    stale.layout = lambda: {"abi": found.ABI, "paged": (size, [(n, o + 8) for n, o in fields]),
-                            "run": found.layout(found.Run)}
-    stale.paged = stale.run = lambda args: calls.append(args) or 0
+    stale.layout = lambda: {"abi": found.ABI, "paged": (size, [(n, o + 8) for n, o in fields])}
+    stale.paged = lambda args: calls.append(args) or 0
     fresh.setitem(sys.modules, "stale_kernel", stale)
     fresh.setattr(found, "MODULE", "stale_kernel")
     with warnings.catch_warnings(record=True) as caught:
@@ -142,16 +141,14 @@ def test_the_built_kernel_lays_out_its_arguments_as_its_mirrors():
     kernel_or_skip()
     said = found.library().layout()
     assert said["abi"] == found.ABI and said["rows"] == native.ROWS
-    for name, struct in (("paged", found.Paged), ("run", found.Run)):
-        size, fields = found.layout(struct)
-        assert said[name][0] == size and [tuple(f) for f in said[name][1]] == fields
+    size, fields = found.layout(found.Paged)
+    assert said["paged"][0] == size and [tuple(f) for f in said["paged"][1]] == fields
 
 
-@pytest.mark.parametrize("entry", ["paged", "run"])
-def test_an_entry_given_other_bytes_than_its_struct_is_a_type_error(entry):
+def test_the_entry_given_other_bytes_than_its_struct_is_a_type_error():
     kernel_or_skip()
-    with pytest.raises(TypeError, match=f"_kernel.{entry}: takes the"):
-        getattr(found.library(), entry)(b"\0" * 8)
+    with pytest.raises(TypeError, match="_kernel.paged: takes the"):
+        found.library().paged(b"\0" * 8)
 
 
 # -- on torch: the operator cacheidx::paged ---------------------------------------------------
@@ -233,9 +230,10 @@ def calls(seed: int = 0) -> list:
         got = native.paged(q, table, start, stop, *pools)
         assert got is not None, kind
         out += [t.numpy().copy() for t in got]
-        if kind != "float32":
-            k, v = ((p.codes[:40], p.scales[:40]) for p in pools)
-            got = native.states(q[0].reshape(kv, g, d), k, v)
+        if kind != "float32":  # a run of slots in order, as the core's runs call it
+            order = np.arange(40, dtype=np.int64)[None, :]
+            got = native.paged(q[:1], order, np.zeros(1, np.int64), np.full(1, 40, np.int64),
+                               *pools)
             assert got is not None, kind
             out += [t.numpy().copy() for t in got]
     return out
@@ -246,7 +244,7 @@ def calls(seed: int = 0) -> list:
 def test_a_build_for_the_oldest_x86_64_gives_the_installed_kernels_bits(tmp_path, fresh):
     """The same bits on every machine (``kernel.c``'s law): the kernel built for the baseline
     x86-64 alone (SSE2: no AVX, no clones) gives exactly the installed build's outputs (the
-    clone this processor takes) on random paged and run calls."""
+    clone this processor takes) on random paged calls, and on runs of slots in order."""
     import importlib.util
 
     pytest.importorskip("torch")

@@ -49,7 +49,7 @@ def used_kernel(monkeypatch) -> list[bool]:
     """Whether each run the core offered the kernel (or each decode step offered the paged
     kernel, :mod:`cacheidx.attention.paged`) went through it."""
     calls: list[bool] = []
-    for name in ("states", "paged"):
+    for name in ("paged",):
         real = getattr(native, name)
 
         def spy(*args, real=real):
@@ -92,9 +92,11 @@ def test_a_query_whose_every_score_is_minus_inf_weighs_no_column_in_the_kernel()
     q = np.full((KV, 1, D), -1e30, np.float32)
     codes = np.full((8, KV, D), 127, np.int8)
     scales = np.full((8, KV), 1e10, np.float32)
-    got = native.states(q, (codes, scales), (codes, scales))
+    pool = quantized.Quantized(codes, scales)
+    got = native.paged(q[None], np.arange(8, dtype=np.int64)[None], np.zeros(1, np.int64),
+                       np.full(1, 8, np.int64), pool, pool)
     assert got is not None
-    m, l, acc = got
+    m, l, acc = (x[0] for x in got)
     assert np.all(m == -np.inf) and np.all(l == 0) and np.all(acc == 0), (m, l, acc)
 
 

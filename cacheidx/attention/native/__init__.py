@@ -6,18 +6,17 @@ cost), and a lane's pages read where they lie.
 A decode step over quantized pools is the bytes of its codes: a quarter (8 bits) or an eighth
 (4 bits) of a float pool's. The array libraries cannot read them so: a product takes floats,
 so the core casts each chunk of codes to a float copy first (docs/attention.md has the
-figures). Two entries compute what :meth:`~cacheidx.attention.softmax.Online.add` computes,
-per kv head and query row the running maximum ``m``, the sum ``l`` of ``exp(z - m)`` and the
-weighted values ``acc``, which :meth:`~cacheidx.attention.softmax.Online.merge` folds into the
-lane's state:
-
-- :func:`states` (:mod:`.rows`): one run of quantized slots every query of the block sees,
-  for :mod:`cacheidx.attention.runs`;
-- :func:`paged` (:mod:`.pages`): a whole decode step over paged pools, every lane and kv head
-  in one call over the threads it is given, each lane's seen columns read through its row of
-  the table (pages in any order, rows fetched ahead), float32, float16, bfloat16, int8 and
-  int4 pools, the grouped query heads of a kv head weighed together so that each key and
-  value row is read once for all of them, for :mod:`cacheidx.attention.paged`.
+figures). Its one entry, :func:`paged` (:mod:`.pages`), computes what
+:meth:`~cacheidx.attention.softmax.Online.add` computes, per kv head and query row the running
+maximum ``m``, the sum ``l`` of ``exp(z - m)`` and the weighted values ``acc``, which
+:meth:`~cacheidx.attention.softmax.Online.merge` folds into the lane's state: every lane and
+kv head in one call over the threads it is given, each lane's columns read through its row of
+the table (pages in any order, rows fetched ahead), float32, float16, bfloat16, int8, int4 and
+turned 4-bit pools, the grouped query heads of a kv head weighed together so that each key and
+value row is read once for all of them. :mod:`cacheidx.attention.paged` calls it for a whole
+decode step; :mod:`cacheidx.attention.runs` for the runs of quantized slots every query of a
+block sees (their slots one after another as one lane's row, the lanes under a shared prefix
+stacked as its queries).
 
 The law it keeps is the core's, within the attention law's tolerance (docs/attention.md): its
 exponential is a polynomial (a few ulps of ``expf``, exactly zero below ``-87``); its sums are
@@ -44,7 +43,6 @@ from __future__ import annotations
 
 from .found import kernel, off
 from .memory import grad_asked
-from .pages import THREADED, paged, threads
-from .rows import ROWS, states
+from .pages import ROWS, THREADED, paged, threads
 
-__all__ = ["ROWS", "THREADED", "grad_asked", "kernel", "off", "paged", "states", "threads"]
+__all__ = ["ROWS", "THREADED", "grad_asked", "kernel", "off", "paged", "threads"]

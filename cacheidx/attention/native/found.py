@@ -5,8 +5,8 @@ anything calls it; or ``None``, said once as a warning, where it was not built.
 Nothing is compiled at run time (so no lock and no cache folder: the module lies in the
 installed package, where Python's import takes it from). The check: the module's
 ``layout()`` gives each argument struct's size and its fields' offsets as its C compiler laid
-them out, which must equal those of :class:`Paged` and :class:`Run` here (the ``ctypes``
-mirrors this side fills), and its ABI number this side's; a module that differs (a stale
+them out, which must equal those of :class:`Paged` here (the ``ctypes`` mirror this side
+fills), and its ABI number this side's; a module that differs (a stale
 build beside newer sources) is refused, with the warning, rather than called with a struct
 it reads otherwise. ``CACHEIDX_NATIVE=0`` keeps it out without a warning."""
 
@@ -21,10 +21,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ABI", "Paged", "Run", "kernel", "library", "off"]
+__all__ = ["ABI", "Paged", "kernel", "library", "off"]
 
 #: the struct layouts' version, the module's ``layout()["abi"]``
-ABI = 3
+ABI = 4
 
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 
@@ -41,15 +41,6 @@ class Paged(ctypes.Structure):
                 ("kz", _p), ("vz", _p), ("m", _p), ("l", _p), ("acc", _p)]
 
 
-class Run(ctypes.Structure):
-    """``cacheidx_run_args`` of ``kernel.c``, field for field."""
-
-    _fields_ = [("T", _i), ("kv", _i), ("m", _i), ("d", _i), ("dv", _i), ("kbits", _i),
-                ("vbits", _i), ("q", _p), ("kc", _p), ("kst", _l), ("khs", _l), ("ks", _p),
-                ("kss", _l), ("khs2", _l), ("vc", _p), ("vst", _l), ("vhs", _l), ("vs", _p),
-                ("vss", _l), ("vhs2", _l), ("mo", _p), ("lo", _p), ("acc", _p)]
-
-
 #: where the module is imported from (the tests point it at a build of their own)
 MODULE = "cacheidx.attention.native._kernel"
 
@@ -58,7 +49,7 @@ _FOUND: list[Any] = []
 
 
 def library() -> Any:
-    """The checked module (its ``paged(Paged)`` and ``run(Run)``), or ``None``; found at the
+    """The checked module (its ``paged(Paged)``), or ``None``; found at the
     first call, then kept."""
     if _FOUND:
         return _FOUND[0]
@@ -69,10 +60,10 @@ def library() -> Any:
 
 
 def kernel() -> Any:
-    """The built kernel's run entry, or ``None`` where it was not built, failed its check, or
+    """The built kernel's paged entry, or ``None`` where it was not built, failed its check, or
     ``CACHEIDX_NATIVE=0`` (what callers ask before offering it a call)."""
     lib = library()
-    return None if lib is None else lib.run
+    return None if lib is None else lib.paged
 
 
 @contextlib.contextmanager
@@ -105,7 +96,7 @@ def _load() -> Any:
              "`pip install` time builds it")
         return None
     said = lib.layout()
-    want = {"paged": layout(Paged), "run": layout(Run)}
+    want = {"paged": layout(Paged)}
     got = {name: (said[name][0], [tuple(f) for f in said[name][1]]) for name in want}
     if said.get("abi") != ABI or got != want:
         _say(f"its build at {getattr(lib, '__file__', MODULE)} lays out its arguments "

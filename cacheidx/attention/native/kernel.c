@@ -1,5 +1,5 @@
-/* cacheidx's CPU kernel: attention's online softmax over quantized runs and paged pools, read
-   where they lie (codes cast to floats in registers). Built at install time as the extension
+/* cacheidx's CPU kernel: attention's online softmax over paged pools (float or quantized),
+   read where they lie (codes cast to floats in registers). Built at install time as the extension
    module cacheidx.attention.native._kernel (setup.py); cacheidx/attention/native/__init__.py
    says what it computes and when the core computes instead.
 
@@ -253,10 +253,10 @@ INLINE void ahead_scales(const void *scales, const int8_t *z, long off, int sk) 
     if (z) __builtin_prefetch(z + off, 0, 2);
 }
 
-/* Where one kv head's key and value rows lie: the rows of column t at slot s (s = slots[t],
-   or t itself where slots is NULL) start at k + s kst elements (bytes for codes), their
-   scales (I8 and I4 pools: one a row; G4: one a group) at ks + s kss, a G4 row's zero points
-   at kz + s kss (int8, laid out as its scales); values alike. */
+/* Where one kv head's key and value rows lie: the rows of column t at slot s = slots[t] start
+   at k + s kst elements (bytes for codes), their scales (I8 and I4 pools: one a row; G4: one
+   a group) at ks + s kss, a G4 row's zero points at kz + s kss (int8, laid out as its
+   scales); values alike. */
 typedef struct {
     const void *k, *ks, *v, *vs;
     long kst, kss, vst, vss;
@@ -296,12 +296,12 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
         for (int j0 = 0; j0 < nb; j0 += LANES) {
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < LANES; c++) {
-                long t = t0 + j0 + c, s = slots ? slots[t] : t;
+                long t = t0 + j0 + c, s = slots[t];
                 if (c >= n) { rows[c] = rows[0]; ksc[c] = 1.0f; continue; }
                 /* the rows AHEAD columns on fetched now: a lane's pages lie anywhere, and
                    the processor's prefetcher stops at each page's end */
                 if (t + AHEAD < c1) {
-                    long f = slots ? slots[t + AHEAD] : t + AHEAD;
+                    long f = slots[t + AHEAD];
                     ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
                     ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
                     if (kk >= I8) ahead_scales(src->ks, src->kz, f * src->kss, src->ksk);
@@ -345,7 +345,7 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
         for (int j0 = 0; j0 < nb; j0 += LANES) {
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < n; c++) {
-                long t = t0 + j0 + c, s = slots ? slots[t] : t;
+                long t = t0 + j0 + c, s = slots[t];
                 rows[c] = vk == G4
                     ? turned_row((const uint8_t *)src->v + s * src->vst, src->vs, s * src->vss,
                                  src->vsk, src->vz, dv, dvp, vg, vbuf + c * dvp)
@@ -380,40 +380,6 @@ INLINE int attend(const source *src, long c0, long c1, const float *q, int g, in
         bad |= !is_finite(L[r]);
     }
     return bad;
-}
-
-/* The arguments of one run, by name (native/found.py's Run mirrors them). */
-typedef struct {
-    int T, kv, m, d, dv, kbits, vbits;
-    const float *q;
-    const uint8_t *kc; long kst, khs; const float *ks; long kss, khs2;
-    const uint8_t *vc; long vst, vhs; const float *vs; long vss, vhs2;
-    float *mo, *lo, *acc;
-} cacheidx_run_args;
-
-/* One run: columns 0 to T - 1 of kv head h at kc + t kst + h khs (bytes; codes of 8 or 4
-   bits), their scales at ks[t kss + h khs2], values alike; query rows q[h m d ...]. */
-#define RUN(D, K) attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2, \
-        a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss, a->vst, a->vss, \
-        K, K, F32, F32, NULL, NULL, NULL }, 0, a->T, a->q + (long)h * a->m * D, a->m, D, D, \
-        K, K, 0, 0, a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * D)
-CLONES static int cacheidx_run(const cacheidx_run_args *a) {
-    if (a->m > ROWS || a->m < 1 || a->T <= 0 || a->d > WIDEST || a->dv > WIDEST
-        || (a->kbits != 8 && a->kbits != 4) || (a->vbits != 8 && a->vbits != 4)) return 1;
-    int kk = a->kbits == 8 ? I8 : I4, vk = a->vbits == 8 ? I8 : I4;
-    for (int h = 0; h < a->kv; h++) {
-        int bad;
-        if (a->d == a->dv && kk == vk && a->d == 64) bad = kk == I8 ? RUN(64, I8) : RUN(64, I4);
-        else if (a->d == a->dv && kk == vk && a->d == 128)
-            bad = kk == I8 ? RUN(128, I8) : RUN(128, I4);
-        else bad = attend(&(source){ a->kc + h * a->khs, a->ks + h * a->khs2,
-                                     a->vc + h * a->vhs, a->vs + h * a->vhs2, a->kst, a->kss,
-                                     a->vst, a->vss, kk, vk, F32, F32, NULL, NULL, NULL },
-                          0, a->T, a->q + (long)h * a->m * a->d, a->m, a->d, a->dv, kk, vk,
-                          0, 0, a->mo + h * a->m, a->lo + h * a->m, a->acc + (long)h * a->m * a->dv);
-        if (bad) return 1;
-    }
-    return 0;
 }
 
 /* ---- paged decode: every lane's seen columns through its row of the table, in one call ---- */
@@ -551,16 +517,6 @@ static PyObject *py_paged(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(bad);
 }
 
-static PyObject *py_run(PyObject *self, PyObject *arg) {
-    cacheidx_run_args a;
-    int bad;
-    if (taken(arg, &a, sizeof a, "run") < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    bad = cacheidx_run(&a);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(bad);
-}
-
 #define FIELD(S, F) Py_BuildValue("(sn)", #F, (Py_ssize_t)offsetof(S, F))
 static PyObject *py_layout(PyObject *self, PyObject *unused) {
     PyObject *paged = Py_BuildValue(
@@ -582,26 +538,13 @@ static PyObject *py_layout(PyObject *self, PyObject *unused) {
         FIELD(cacheidx_paged_args, vshs), FIELD(cacheidx_paged_args, kz),
         FIELD(cacheidx_paged_args, vz), FIELD(cacheidx_paged_args, m),
         FIELD(cacheidx_paged_args, l), FIELD(cacheidx_paged_args, acc));
-    PyObject *run = Py_BuildValue(
-        "(n[NNNNNNNNNNNNNNNNNNNNNNN])", (Py_ssize_t)sizeof(cacheidx_run_args),
-        FIELD(cacheidx_run_args, T), FIELD(cacheidx_run_args, kv), FIELD(cacheidx_run_args, m),
-        FIELD(cacheidx_run_args, d), FIELD(cacheidx_run_args, dv),
-        FIELD(cacheidx_run_args, kbits), FIELD(cacheidx_run_args, vbits),
-        FIELD(cacheidx_run_args, q), FIELD(cacheidx_run_args, kc), FIELD(cacheidx_run_args, kst),
-        FIELD(cacheidx_run_args, khs), FIELD(cacheidx_run_args, ks), FIELD(cacheidx_run_args, kss),
-        FIELD(cacheidx_run_args, khs2), FIELD(cacheidx_run_args, vc),
-        FIELD(cacheidx_run_args, vst), FIELD(cacheidx_run_args, vhs),
-        FIELD(cacheidx_run_args, vs), FIELD(cacheidx_run_args, vss),
-        FIELD(cacheidx_run_args, vhs2), FIELD(cacheidx_run_args, mo),
-        FIELD(cacheidx_run_args, lo), FIELD(cacheidx_run_args, acc));
-    if (paged == NULL || run == NULL) { Py_XDECREF(paged); Py_XDECREF(run); return NULL; }
-    return Py_BuildValue("{sNsNsisisi}", "paged", paged, "run", run, "rows", (int)ROWS,
-                         "widest", (int)WIDEST, "abi", 3);
+    if (paged == NULL) return NULL;
+    return Py_BuildValue("{sNsisisi}", "paged", paged, "rows", (int)ROWS, "widest",
+                         (int)WIDEST, "abi", 4);
 }
 
 static PyMethodDef methods[] = {
     {"paged", py_paged, METH_O, "paged(args) -> 0, or 1 where the call is refused"},
-    {"run", py_run, METH_O, "run(args) -> 0, or 1 where the run is refused"},
     {"layout", py_layout, METH_NOARGS, "each struct's size and its fields' offsets"},
     {NULL, NULL, 0, NULL}};
 

@@ -15,9 +15,12 @@ import numpy as np
 from ... import pools, turned
 from . import found
 from .memory import grad_asked, memory
-from .rows import ROWS
 
-__all__ = ["KINDS", "THREADED", "WIDEST", "paged", "threads"]
+__all__ = ["KINDS", "ROWS", "THREADED", "WIDEST", "paged", "threads"]
+
+#: the most query rows a kv head a call weighs (grouped heads x queries, x lanes where the core
+#: stacks those sharing a prefix: ``kernel.c``'s ``ROWS``)
+ROWS = 16
 
 #: the kinds of element the paged kernel reads (``kernel.c``'s enum), by dtype name
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "uint8": 4}
