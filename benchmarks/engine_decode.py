@@ -18,11 +18,14 @@ per row), and under a shared prompt the engine gives them with the prefix cache 
 Each workload runs ``--repeat`` times in turn; the table gives the run of median ratio and
 every run's ratio beside it (this machine's speed drifts by a fifth within minutes).
 The floor is the bytes a decode step must read (the weights, every lane's keys and values, a
-shared prompt once) over the machine's one-thread bandwidth.
+shared prompt once: codes, scales and zero points for ``--kv int8`` or ``int4-turned``, the
+engine's pools there; transformers' static cache stays float32, so quantized pools may part
+the tokens) over the machine's one-thread bandwidth.
 
     python benchmarks/engine_decode.py [--json PATH] [--workloads distinct shared8 shared32]
                                        [--new N] [--context 4096] [--repeat 3]
                                        [--engine torch|jax-jit] [--threads N]
+                                       [--kv float32 int8 int4-turned]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_context as lc  # noqa: E402  (sets one thread before numpy and torch load)
 import numpy as np  # noqa: E402
+import paged_reads as pr  # noqa: E402
 
 WORKLOADS = {"distinct": (32, False), "shared8": (8, True), "shared32": (32, True)}
 OWN = 8  # a lane's own tokens after a shared prompt
@@ -60,7 +64,7 @@ ENGINES = {"torch": ("torch", False), "jax-jit": ("jax", True)}
 
 
 def engine_rate(config, params, asked: list[list[int]], new: int, shared: bool, cache: bool,
-                engine_name: str = "torch"):
+                engine_name: str = "torch", kv: str = "float32"):
     """The engine's decode tokens/s over ``asked`` and each prompt's tokens."""
     from cacheidx.serve import Engine, LlamaModel, Request
 
@@ -68,7 +72,8 @@ def engine_rate(config, params, asked: list[list[int]], new: int, shared: bool, 
     pages = lanes * (-(-(len(asked[0]) + new) // PAGE)) + 64
     backend, compiled = ENGINES[engine_name]
     engine = Engine(LlamaModel(config, params), backend=backend, pages=pages, page_size=PAGE,
-                    lanes=lanes, cache=cache, compile=compiled)
+                    lanes=lanes, cache=cache, compile=compiled,
+                    kv=None if kv == "float32" else kv)
     if shared:  # the shared prompt alone first: its pages then lie in the prefix cache
         engine.run([Request("shared", asked[0][:-OWN], 1)])
         before = engine.figures()
@@ -104,12 +109,13 @@ def hf_rate(model, asked: list[list[int]], new: int) -> tuple[float, list[list[i
     return len(asked) / float(np.median(steps)), out[:, ids.shape[1]:].tolist()
 
 
-def row_for(name, model, config, params, bw, context, new, engine_name="torch") -> dict:
+def row_for(name, model, config, params, bw, context, new, engine_name="torch",
+            kv="float32") -> dict:
     lanes, shared = WORKLOADS[name]
     asked = prompts(config, lanes, context, shared)
     t0 = time.perf_counter()
     f, tokens, before = engine_rate(config, params, asked, new, shared, cache=True,
-                                    engine_name=engine_name)
+                                    engine_name=engine_name, kv=kv)
     decode_s = f["decode_seconds"] - before["decode_seconds"]
     decoded = f["generated_tokens"] - before["generated_tokens"] - lanes  # the first is prefill's
     calls = f["decode_calls"] - before["decode_calls"]
@@ -117,14 +123,14 @@ def row_for(name, model, config, params, bw, context, new, engine_name="torch") 
     same_off = off_rate = None
     if shared:
         f_off, off, _ = engine_rate(config, params, asked, new, shared, cache=False,
-                                    engine_name=engine_name)
+                                    engine_name=engine_name, kv=kv)
         same_off, off_rate = off == tokens, f_off["decode_tokens_per_second"]
     hf, hf_tokens = hf_rate(model, asked, new)
     per_lane = context + (OWN if shared else 0)
-    kv = 2 * config.layers * config.kv_heads * config.head_dim * 4
-    read = kv * (per_lane + lanes * OWN if shared else lanes * per_lane)
+    token = pr.row_bytes(config, kv)  # a token's keys and values over every layer
+    read = token * (per_lane + lanes * OWN if shared else lanes * per_lane)
     floor = (lc.weight_bytes(params) + read) / bw
-    row = {"workload": name, "engine": engine_name, "lanes": lanes, "context": context,
+    row = {"workload": name, "engine": engine_name, "kv": kv, "lanes": lanes, "context": context,
            "shared": shared, "new": new,
            "engine_tokens_per_s": rate, "decode_calls": calls, "decode_seconds": decode_s,
            "decoded": decoded, "hf_tokens_per_s": hf, "vs_static": rate / hf,
@@ -159,15 +165,15 @@ def report(rows: list[dict], bw: float, threads: int = 1) -> None:
           f"layers, greedy, {'one thread' if threads == 1 else f'{threads} threads'}; the "
           f"floor reads the weights and the keys and values a "
           f"step needs ({bw / 1e9:.1f} GB/s).\n")
-    print("| workload | lanes | context | engine tokens/s | transformers static tokens/s | "
+    print("| workload | pools | lanes | context | engine tokens/s | transformers static tokens/s | "
           "vs static | runs' vs static | engine step ms | floor ms | floor / step | "
           "same tokens | same without the cache | without the cache tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|")
     for r in rows:
         alone = r.get("without_cache_tokens_per_s")
         off = "-" if r["same_without_cache"] is None else (
             "yes" if r["same_without_cache"] else "no")
-        print(f"| {r['workload']} | {r['lanes']} | {r['context']} | "
+        print(f"| {r['workload']} | {r.get('kv', 'float32')} | {r['lanes']} | {r['context']} | "
               f"{r['engine_tokens_per_s']:.1f} | {r['hf_tokens_per_s']:.1f} | "
               f"{r['vs_static']:.2f}x | {', '.join(f'{x:.2f}' for x in r['runs'])} | "
               f"{r['step_ms']:.1f} | {r['floor_ms']:.1f} | "
@@ -186,6 +192,9 @@ def main(argv=None) -> int:
                         "once)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each workload, one after another (the table: their median)")
+    p.add_argument("--kv", nargs="+", default=["float32"],
+                   choices=["float32", "int8", "int4-turned"],
+                   help="the engine's pools (transformers' static cache stays float32)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch's intra-op threads on both sides (the floor stays one thread's)")
     args = p.parse_args(argv)
@@ -197,8 +206,8 @@ def main(argv=None) -> int:
     say(f"one-thread read speed {bw / 1e9:.1f} GB/s")
     model, config, params, _ = lc.load("shaped")
     rows = [repeated([row_for(w, model, config, params, bw, args.context, args.new,
-                              args.engine) for _ in range(args.repeat)])
-            for w in args.workloads]
+                              args.engine, kv) for _ in range(args.repeat)])
+            for kv in args.kv for w in args.workloads]
     report(rows, bw, args.threads)
     if args.json:
         Path(args.json).write_text(json.dumps({"decode": rows, "bandwidth": bw,
