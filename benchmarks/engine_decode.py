@@ -173,7 +173,7 @@ def report(rows: list[dict], bw: float, threads: int = 1) -> None:
         alone = r.get("without_cache_tokens_per_s")
         off = "-" if r["same_without_cache"] is None else (
             "yes" if r["same_without_cache"] else "no")
-        print(f"| {r['workload']} | {r.get('kv', 'float32')} | {r['lanes']} | {r['context']} | "
+        print(f"| {r['workload']} | {r['kv']} | {r['lanes']} | {r['context']} | "
               f"{r['engine_tokens_per_s']:.1f} | {r['hf_tokens_per_s']:.1f} | "
               f"{r['vs_static']:.2f}x | {', '.join(f'{x:.2f}' for x in r['runs'])} | "
               f"{r['step_ms']:.1f} | {r['floor_ms']:.1f} | "

@@ -19,9 +19,9 @@ only what this module asks of its :class:`Kind`:
   the function;
 - ``name``; ``cast``, whether the parts are codes a product casts to floats as it reads
   them, a chunk at a time (otherwise they are floats, cast to the work dtype once a tile);
-  ``kernel``, the entries of the CPU kernel (:mod:`cacheidx.attention.native`) that read the
-  kind: ``"paged"`` (a decode step through each lane's row of the table) and ``"run"`` (a run
-  of slots every query sees whole), a frozenset.
+  ``kernel``, the reads that the CPU kernel (:mod:`cacheidx.attention.native`) computes for
+  the kind: ``"paged"`` (a decode step through each lane's row of the table) and ``"run"``
+  (the core's runs of slots every query sees whole, through the same entry), a frozenset.
 
 An array is a float pool (:data:`FLOATS`); a new kind of pool (keys scaled per channel, say)
 is a class and its :class:`Kind`, :func:`register`-ed: no reader changes.

@@ -1,7 +1,8 @@
 /* cacheidx's CPU kernel: attention's online softmax over paged pools (float or quantized),
-   read where they lie (codes cast to floats in registers). Built at install time as the extension
-   module cacheidx.attention.native._kernel (setup.py); cacheidx/attention/native/__init__.py
-   says what it computes and when the core computes instead.
+   read where they lie (codes cast to floats in registers). Built at install time as the
+   extension module cacheidx.attention.native._kernel (setup.py);
+   cacheidx/attention/native/__init__.py says what it computes and when the core computes
+   instead.
 
    The same bits on every machine: every sum is written as partial sums in one order, and
    compiled without reassociation or contraction (-ffp-contract=off, never -ffast-math), so a
@@ -247,7 +248,7 @@ INLINE void ahead(const char *p, int d, int k) {
 
 /* asks for the scales of a row of codes at off (in elements), and a turned row's zero points
    where z is not NULL: they lie in arrays of their own, and unasked, each page's first read
-   of them waits on memory (8 lanes x 16k of int8: 14 ms a layer asked for, 7.5 ms unasked) */
+   of them waits on memory (8 lanes x 16k of int8: 14 ms a layer unasked, 7.5 ms asked for) */
 INLINE void ahead_scales(const void *scales, const int8_t *z, long off, int sk) {
     __builtin_prefetch((const char *)scales + off * width(sk), 0, 2);
     if (z) __builtin_prefetch(z + off, 0, 2);
