@@ -210,3 +210,34 @@ def test_a_pool_on_the_host_starts_at_a_memory_page(name):
     pool = made[1]  # the token-major float pool
     pool[1, 2, 3] = 1.5
     assert float(xp.sum(pool)) == 1.5
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_a_large_pool_on_the_host_lies_on_huge_pages(name):
+    """A pool of a huge page or more starts a huge page and is zeros; where Linux keeps
+    transparent huge pages for those who ask (``madvise`` or ``always``), its memory is mapped
+    in them (the process's ``AnonHugePages`` grows by about the pool's bytes)."""
+    from pathlib import Path
+
+    from cacheidx.attention import layout
+    from cacheidx.attention.native.memory import memory
+    from cacheidx.backends.hostmemory import HUGE_BYTES
+
+    if name == "torch":
+        pytest.importorskip("torch")
+    xp = ci.backends.get(name).xp
+    rollup, thp = Path("/proc/self/smaps_rollup"), Path(
+        "/sys/kernel/mm/transparent_hugepage/enabled")
+
+    def huge_kb() -> int:
+        line = next(x for x in rollup.read_text().splitlines() if x.startswith("AnonHugePages"))
+        return int(line.split()[1])
+
+    before = huge_kb() if rollup.exists() else 0
+    pool = layout.zeros(xp, 8 * HUGE_BYTES // (3 * 64 * 4), 3, 64, dtype=xp.float32,
+                        layout="head")
+    assert memory(pool)[0] % HUGE_BYTES == 0 and not bool(xp.any(pool != 0))
+    if not (rollup.exists() and thp.exists() and "[never]" not in thp.read_text()):
+        print("no transparent huge pages here: the pool's alignment alone checked")
+        return
+    assert huge_kb() - before >= 4 * HUGE_BYTES // 1024, (before, huge_kb())

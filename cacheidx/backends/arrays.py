@@ -17,11 +17,9 @@ from typing import Any, Protocol
 import array_api_compat as compat
 
 from ..laws import expand, inside
+from .hostmemory import PAGE_BYTES
 
 __all__ = ["PAGE_BYTES", "StandardArrays", "redirect_dropped"]
-
-#: the bytes of a memory page, where a host pool's first element lies (:meth:`StandardArrays.zeros`)
-PAGE_BYTES = 4096
 
 
 class _Library(Protocol):

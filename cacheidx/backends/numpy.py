@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arrays import PAGE_BYTES, StandardArrays
+from .arrays import StandardArrays
 from .base import Backend, Library, inside
 from .compiling import Eager
+from .hostmemory import zeroed
 
 
 class NumpyLibrary(Library):
@@ -30,12 +31,13 @@ class NumpyArrays(StandardArrays):
 
     def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
         """Zeros whose first element starts a memory page (:meth:`StandardArrays.zeros`'s
-        reason): a view into a page more of bytes."""
+        reason), a huge page where they fill one (:mod:`~cacheidx.backends.hostmemory`): a
+        view into a page more of bytes."""
         import numpy as np
 
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        whole = np.zeros(n + PAGE_BYTES, np.uint8)
-        at = -whole.ctypes.data % PAGE_BYTES
+        whole, at = zeroed(n, lambda m: np.empty(m, np.uint8), lambda a: a.ctypes.data,
+                           lambda a, at, n: a[at:at + n].fill(0))
         return whole[at:at + n].view(dtype).reshape(shape)
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:

@@ -26,10 +26,11 @@ from typing import Any, NamedTuple
 
 from ..laws import expand, inside
 from . import torch_rows
-from .arrays import PAGE_BYTES, StandardArrays, redirect_dropped
+from .arrays import StandardArrays, redirect_dropped
 from .base import Backend, Library, Node
 from .checking import HostChecking
 from .compiling import Eager
+from .hostmemory import zeroed
 from .serving import Composed, PlainServing
 
 __all__ = ["TorchArrays", "TorchBackend", "TorchChecking", "TorchCompiling", "TorchLibrary",
@@ -260,15 +261,16 @@ class TorchArrays(StandardArrays):
 
     def zeros(self, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
         """Zeros whose first element starts a memory page on the CPU
-        (:meth:`StandardArrays.zeros`'s reason): a view into a page more of bytes; elsewhere
+        (:meth:`StandardArrays.zeros`'s reason), a huge page where they fill one
+        (:mod:`~cacheidx.backends.hostmemory`): a view into a page more of bytes; elsewhere
         ``torch.zeros``."""
         import torch
 
         if device is not None and torch.device(device).type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        whole = torch.zeros(n + PAGE_BYTES, dtype=torch.uint8)
-        at = -whole.data_ptr() % PAGE_BYTES
+        whole, at = zeroed(n, lambda m: torch.empty(m, dtype=torch.uint8),
+                           lambda a: a.data_ptr(), lambda a, at, n: a[at:at + n].zero_())
         return whole[at:at + n].view(dtype).view(shape)
 
     def on_host(self, x: Any) -> bool:
