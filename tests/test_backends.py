@@ -215,8 +215,8 @@ def test_a_pool_on_the_host_starts_at_a_memory_page(name):
 @pytest.mark.parametrize("name", ["numpy", "torch"])
 def test_a_large_pool_on_the_host_lies_on_huge_pages(name):
     """A pool of a huge page or more starts a huge page and is zeros; where Linux keeps
-    transparent huge pages for those who ask (``madvise`` or ``always``), its memory is mapped
-    in them (the process's ``AnonHugePages`` grows by about the pool's bytes)."""
+    transparent huge pages for those who ask (``madvise`` or ``always``), the memory it was
+    written to is mapped in them (its mapping's ``AnonHugePages`` in ``/proc/self/smaps``)."""
     from pathlib import Path
 
     from cacheidx.attention import layout
@@ -226,18 +226,21 @@ def test_a_large_pool_on_the_host_lies_on_huge_pages(name):
     if name == "torch":
         pytest.importorskip("torch")
     xp = ci.backends.get(name).xp
-    rollup, thp = Path("/proc/self/smaps_rollup"), Path(
-        "/sys/kernel/mm/transparent_hugepage/enabled")
-
-    def huge_kb() -> int:
-        line = next(x for x in rollup.read_text().splitlines() if x.startswith("AnonHugePages"))
-        return int(line.split()[1])
-
-    before = huge_kb() if rollup.exists() else 0
     pool = layout.zeros(xp, 8 * HUGE_BYTES // (3 * 64 * 4), 3, 64, dtype=xp.float32,
                         layout="head")
-    assert memory(pool)[0] % HUGE_BYTES == 0 and not bool(xp.any(pool != 0))
-    if not (rollup.exists() and thp.exists() and "[never]" not in thp.read_text()):
+    start = memory(pool)[0]
+    assert start % HUGE_BYTES == 0 and not bool(xp.any(pool != 0))
+    smaps, thp = Path("/proc/self/smaps"), Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not (smaps.exists() and thp.exists() and "[never]" not in thp.read_text()):
         print("no transparent huge pages here: the pool's alignment alone checked")
         return
-    assert huge_kb() - before >= 4 * HUGE_BYTES // 1024, (before, huge_kb())
+    pool[...] = 1  # the first write maps the pages
+    huge, inside = None, False
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            huge = int(line.split()[1]) * 1024
+    assert huge is not None and huge >= 4 * HUGE_BYTES, huge

@@ -14,6 +14,7 @@ a hint: where the system keeps no huge pages for it (``transparent_hugepage`` se
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,26 +28,29 @@ HUGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux's, on every architecture
 
 
-def zeroed(n: int, empty: Callable[[int], Any], address: Callable[[Any], int],
-           zero: Callable[[Any, int, int], None]) -> tuple[Any, int]:
-    """``(whole, at)``: ``whole`` a byte array from ``empty`` (memory not yet touched where the
-    library maps a fresh one), bytes ``at`` to ``at + n`` zeroed by ``zero(whole, at, n)``,
-    ``at`` the first byte of a memory page, of a huge page where ``n >= HUGE_BYTES``; those
-    asked for in huge pages first (Linux), so that the zeros' first touch maps them so."""
-    align = HUGE_BYTES if n >= HUGE_BYTES else PAGE_BYTES
-    whole = empty(n + align)
-    at = -address(whole) % align
-    if align == HUGE_BYTES:
-        _huge(address(whole) + at, n)
-    zero(whole, at, n)
+def zeroed(n: int, *, zeros: Callable[[int], Any], frombuffer: Callable[[Any], Any],
+           address: Callable[[Any], int]) -> tuple[Any, int]:
+    """``(whole, at)``: bytes ``at`` to ``at + n`` of the byte array ``whole`` are zeros, ``at``
+    the first byte of a memory page. Where ``n >= HUGE_BYTES`` (on Linux), ``whole`` is
+    ``frombuffer`` of a fresh anonymous map (zeros none has touched: an allocator's reused
+    memory would keep the small pages it was first touched in), ``at`` starts a huge page, and
+    the bytes are asked for in huge pages, which their first write maps; else ``whole`` is
+    ``zeros(n + PAGE_BYTES)``."""
+    if n < HUGE_BYTES or not sys.platform.startswith("linux"):
+        whole = zeros(n + PAGE_BYTES)
+        return whole, -address(whole) % PAGE_BYTES
+    # private: Python's default anonymous map is shared memory, which Linux maps in huge
+    # pages only by its own switch (shmem_enabled); the array keeps the map alive
+    region = mmap.mmap(-1, n + HUGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = frombuffer(region)
+    at = -address(whole) % HUGE_BYTES
+    _huge(address(whole) + at, n)
     return whole, at
 
 
 def _huge(start: int, n: int) -> None:
     """Asks Linux to back ``[start, start + n)`` (huge-page aligned) with huge pages; where the
     call is refused (no transparent huge pages) the memory stays on small pages, as without."""
-    if not sys.platform.startswith("linux"):
-        return
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):

@@ -36,8 +36,9 @@ class NumpyArrays(StandardArrays):
         import numpy as np
 
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        whole, at = zeroed(n, lambda m: np.empty(m, np.uint8), lambda a: a.ctypes.data,
-                           lambda a, at, n: a[at:at + n].fill(0))
+        whole, at = zeroed(n, zeros=lambda m: np.zeros(m, np.uint8),
+                           frombuffer=lambda b: np.frombuffer(b, np.uint8),
+                           address=lambda a: a.ctypes.data)
         return whole[at:at + n].view(dtype).reshape(shape)
 
     def scatter(self, pool: Any, slots: Any, rows: Any, *, donate: bool = False) -> Any:

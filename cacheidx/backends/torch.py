@@ -269,8 +269,9 @@ class TorchArrays(StandardArrays):
         if device is not None and torch.device(device).type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        whole, at = zeroed(n, lambda m: torch.empty(m, dtype=torch.uint8),
-                           lambda a: a.data_ptr(), lambda a, at, n: a[at:at + n].zero_())
+        whole, at = zeroed(n, zeros=lambda m: torch.zeros(m, dtype=torch.uint8),
+                           frombuffer=lambda b: torch.frombuffer(b, dtype=torch.uint8),
+                           address=lambda a: a.data_ptr())
         return whole[at:at + n].view(dtype).view(shape)
 
     def on_host(self, x: Any) -> bool:
