@@ -328,13 +328,10 @@ def test_the_kernel_reads_no_slot_past_a_lanes_last_column():
         k, v = (rng.standard_normal((n, KV, D)).astype(np.float32) for _ in range(2))
         start, stop = np.zeros(lanes, np.int64), np.full(lanes, width, np.int64)
         m, l, acc = native.paged(q, table, start, stop, k, v)
-        for b in range(lanes):
-            seen_k, seen_v = k[want[b]], v[want[b]]  # [width, kv, d]
-            scores = np.einsum("hgd,thd->hgt", q[b].astype(np.float64), seen_k)
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            np.testing.assert_allclose(acc[b] / l[b][..., None],
-                                       np.einsum("hgt,thd->hgd", w, seen_v) / w.sum(-1)[..., None],
-                                       rtol=1e-4, atol=1e-5)
+        f64 = [x.astype(np.float64) for x in (q.reshape(lanes, 1, KV * G, D), k[want], v[want])]
+        want_out = reference(*f64, np.ones((lanes, 1, width), bool), scale=1.0)  # q is scaled
+        np.testing.assert_allclose((acc / l[..., None]).reshape(lanes, 1, KV * G, D), want_out,
+                                   rtol=1e-4, atol=1e-5)
     finally:
         del table
         libc.mprotect(ctypes.c_void_p(base + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
