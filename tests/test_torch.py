@@ -29,6 +29,7 @@ from strategies import HUGE, build, cases  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import cacheidx as ci  # noqa: E402
+from cacheidx.backends import onednn  # noqa: E402
 from cacheidx.backends import torch as torch_backend  # noqa: E402
 
 BACKEND = ci.backends.get("torch")
@@ -587,12 +588,52 @@ def test_the_linear_product_under_inference_mode_is_onednn_s_and_close():
     step = BACKEND.inference(lambda a, b: BACKEND.matmul(a, b))
     with Names() as seen:
         got = step(a, b)
-    if torch_backend._has_onednn():
+    if onednn.available():
         assert "_linear_pointwise" in seen.names
     torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
     assert not torch.is_inference_mode_enabled()
     with torch.inference_mode():  # anything else than float32 matrices: plain @
         same(BACKEND.matmul(a.double(), b.double()), a.double() @ b.double())
+
+
+def test_a_weight_is_packed_once_for_onednn_and_again_after_a_write():
+    """oneDNN's linear packs a weight once while it is unchanged (:mod:`cacheidx.backends.
+    onednn`): the second product reuses the pack, an in-place write through torch makes a new
+    one (a stale pack would give the old product), each view of one weight has its own, the
+    packs go with their weight, and an inference tensor or ``packing(False)`` reads the weight
+    as stored."""
+    import gc
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN linear to pack for")
+    kept = onednn._kept()
+    before = len(kept)
+    w = torch.randn(40, 96)  # [out, in], as llama.convert places a linear weight
+    b, a = w.mT, torch.randn(8, 96)
+    step = BACKEND.inference(lambda a, b: BACKEND.matmul(a, b))
+    got = step(a, b)
+    torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
+    (version, first), = kept[w].values()
+    torch.testing.assert_close(step(a, b), got, rtol=0, atol=0)
+    assert next(iter(kept[w].values()))[1] is first  # reused, not packed again
+    with torch.no_grad():
+        w.mul_(-2)
+    torch.testing.assert_close(step(a, b), a @ b, rtol=1e-5, atol=1e-5)
+    assert next(iter(kept[w].values()))[0] == version + 1
+    torch.testing.assert_close(step(a, b[:, :24]), a @ b[:, :24], rtol=1e-5, atol=1e-5)
+    assert len(kept[w]) == 2
+    assert step(torch.randn(3, 5, 96), b).shape == (3, 5, 40)
+    assert len(kept) == before + 1
+    del w, b
+    gc.collect()
+    assert len(kept) == before
+    with torch.inference_mode():
+        made = torch.randn(40, 96)  # an inference tensor: no version counter to watch
+    with onednn.packing(False):
+        alone = torch.randn(40, 96)
+        torch.testing.assert_close(step(a, alone.mT), a @ alone.mT, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step(a, made.mT), a @ made.mT, rtol=1e-5, atol=1e-5)
+    assert made not in kept and alone not in kept
 
 
 # -- attend compiled: one operator, the eager code inside -------------------------------------

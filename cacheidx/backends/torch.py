@@ -21,11 +21,10 @@ import contextlib
 import math
 import types
 from collections.abc import Callable, Iterator, Sequence
-from functools import cache
 from typing import Any, NamedTuple
 
 from ..laws import expand, inside
-from . import torch_rows
+from . import onednn, torch_rows
 from .arrays import StandardArrays, redirect_dropped
 from .base import Backend, Library, Node
 from .checking import HostChecking
@@ -417,13 +416,10 @@ class TorchServing(PlainServing):
 
     def matmul(self, a: Any, b: Any) -> Any:
         """``a @ b`` for a weight ``b`` ``[in, out]``. On the CPU in float32 under inference
-        mode: oneDNN's linear over ``b``'s transpose (a view), which at a few rows streams the
-        weight a third faster than MKL's GEMM behind ``@`` (its sums run in another order: the
-        last bits differ)."""
-        if _onednn_linear(a, b):
-            import torch
-
-            return torch.ops.mkldnn._linear_pointwise(a, b.mT, None, "none", [None], "")
+        mode: oneDNN's linear, each weight packed once (:mod:`cacheidx.backends.onednn`: its
+        sums run in another order, the last bits differ)."""
+        if onednn.applies(a, b):
+            return onednn.linear(a, b)
         return a @ b
 
 
@@ -488,29 +484,6 @@ def _gather_functional(xp: Any, pool: Any, slots: Any, ok: Any) -> Any:
 
     got = pool.index_select(0, torch.where(ok, slots, 0))
     return torch.where(expand(xp, ok, pool.ndim), got, pool.new_zeros(()))
-
-
-def _onednn_linear(a: Any, b: Any) -> bool:
-    """Whether ``a @ b`` may go to oneDNN's linear: under ``torch.inference_mode()`` (a serving
-    step, :meth:`TorchBackend.inference`; elsewhere eager stays bit for bit what a compiler
-    without fusion computes), plain float32 CPU tensors, ``b`` a matrix, no compiler or
-    functorch transform, oneDNN built in."""
-    import torch
-
-    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
-        return False  # first: a compiler never traces the rest
-    return (type(a) is torch.Tensor and type(b) is torch.Tensor and b.ndim == 2
-            and a.ndim >= 2 and a.dtype == torch.float32 and b.dtype == torch.float32
-            and a.device.type == "cpu" and b.device.type == "cpu" and _has_onednn()
-            and not torch._C._are_functorch_transforms_active())
-
-
-@cache
-def _has_onednn() -> bool:
-    import torch
-
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_linear_pointwise")
 
 
 def _on_host(*tensors: Any) -> bool:

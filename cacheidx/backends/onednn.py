@@ -1,0 +1,113 @@
+"""oneDNN's linear on the CPU: a serving step's ``a @ b``, each weight packed once.
+
+The law: :func:`linear` is ``a @ b`` for a weight ``b`` ``[in, out]`` to float32's rounding
+(oneDNN orders the sums its own way, so the last bits differ from ``@``'s); it applies
+(:func:`applies`) under ``torch.inference_mode()`` alone, to plain float32 CPU tensors, with
+no compiler or functorch transform: elsewhere ``@`` stays the product, bit for bit what a
+compiler without fusion computes.
+
+Why packed: oneDNN reads a plain weight through a reorder into its blocked layout on every
+call. Packed once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does
+for a linear layer), a decode step's few rows stream it faster: 8 rows through SmolLM2-135M's
+two-layer shape, 2.1 -> 1.3 ms of products a step, 32 rows 5.1 -> 3.9 (docs/performance.md).
+
+A packed weight is a copy, kept beside the weight while the weight lives (a weak map on the
+tensor that owns its memory, so as many bytes again as the weights the step multiplies) and
+made again when the weight changes through torch: the key is the view's offset, shape, strides
+and address, and the owner's version counter, which every in-place write bumps. Not packed
+(read as stored): an inference tensor (it has no version counter to see a write by), and any
+weight while :data:`PACKING` is off. A write behind torch's back (into a NumPy array sharing
+the weight's memory) is not seen: write weights through torch, or turn packing off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+__all__ = ["PACKING", "applies", "available", "linear", "packed", "packing"]
+
+#: the rows oneDNN is told to expect when it packs: its layout for a few dozen rows, one for
+#: every call (fixed, so a product's bits never depend on which call packed its weight)
+ROWS_HINT = 32
+
+#: whether :func:`linear` packs weights (:func:`packing` sets it for a block of code)
+PACKING = True
+
+_LOCK = threading.Lock()
+
+
+@cache
+def available() -> bool:
+    """Whether this torch has oneDNN's linear (and its packing)."""
+    import torch
+
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def applies(a: Any, b: Any) -> bool:
+    """Whether ``a @ b`` goes to oneDNN (the module's conditions)."""
+    import torch
+
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return False  # first: a compiler never traces the rest
+    return (type(a) is torch.Tensor and type(b) is torch.Tensor and b.ndim == 2
+            and a.ndim >= 2 and a.dtype == torch.float32 and b.dtype == torch.float32
+            and a.device.type == "cpu" and b.device.type == "cpu" and available()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def linear(a: Any, b: Any) -> Any:
+    """``a @ b`` by oneDNN's linear, ``b`` packed where the module says (``applies(a, b)``
+    is the caller's to check)."""
+    import torch
+
+    w = packed(b) if PACKING else None
+    return torch.ops.mkldnn._linear_pointwise(a, b.mT if w is None else w, None, "none",
+                                              [None], "")
+
+
+def packed(b: Any) -> Any:
+    """``b``'s transpose packed for oneDNN, made once while ``b`` is unchanged; ``None`` where
+    ``b`` is not packed (an inference tensor)."""
+    import torch
+
+    owner = b if b._base is None else b._base
+    if owner.is_inference():
+        return None
+    key = (b.storage_offset(), tuple(b.shape), tuple(b.stride()), b.data_ptr())
+    kept = _kept()
+    with _LOCK:
+        views = kept.get(owner)
+        if views is None:
+            views = kept[owner] = {}
+        version, w = views.get(key, (None, None))
+        if version != owner._version:
+            w = torch.ops.mkldnn._reorder_linear_weight(b.mT.contiguous(), ROWS_HINT)
+            views[key] = owner._version, w
+    return w
+
+
+@contextlib.contextmanager
+def packing(on: bool) -> Iterator[None]:
+    """:data:`PACKING` set to ``on`` within the block (off: weights read as stored, no copy)."""
+    global PACKING
+    before, PACKING = PACKING, on
+    try:
+        yield
+    finally:
+        PACKING = before
+
+
+@cache
+def _kept() -> Any:
+    """The packed weights: owner tensor -> {view's key: (owner's version, packed)}, an entry
+    gone with its owner (torch's map by identity: a tensor's ``==`` is elementwise)."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
