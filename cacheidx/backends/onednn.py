@@ -8,8 +8,8 @@ compiler without fusion computes.
 
 Why packed: oneDNN reads a plain weight through a reorder into its blocked layout on every
 call. Packed once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does
-for a linear layer), a decode step's few rows stream it faster: 8 rows through SmolLM2-135M's
-two-layer shape, 2.1 -> 1.3 ms of products a step, 32 rows 5.1 -> 3.9 (docs/performance.md).
+for a linear layer), a decode step's few rows stream it faster: SmolLM2-135M's two-layer shape,
+its 15 products a step 2.4 -> 1.5 ms at 8 rows, 4.4 -> 3.2 at 32 (docs/performance.md).
 
 A packed weight is a copy, kept beside the weight while the weight lives (a weak map on the
 tensor that owns its memory, so as many bytes again as the weights the step multiplies) and
