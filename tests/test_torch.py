@@ -624,9 +624,12 @@ def test_a_weight_is_packed_once_for_onednn_and_again_after_a_write():
     assert len(kept[w]) == 2
     assert step(torch.randn(3, 5, 96), b).shape == (3, 5, 40)
     assert len(kept) == before + 1
+    mine, held = sum(p.numel() * p.element_size() for _, p in kept[w].values()), \
+        onednn.packed_bytes()
+    assert mine >= (40 + 24) * 96 * 4  # the two views' packs, counted
     del w, b
     gc.collect()
-    assert len(kept) == before
+    assert len(kept) == before and onednn.packed_bytes() == held - mine
     with torch.inference_mode():
         made = torch.randn(40, 96)  # an inference tensor: no version counter to watch
     with onednn.packing(False):

@@ -12,7 +12,8 @@ for a linear layer), a decode step's few rows stream it faster: SmolLM2-135M's t
 its 15 products a step 2.4 -> 1.5 ms at 8 rows, 4.4 -> 3.2 at 32 (docs/performance.md).
 
 A packed weight is a copy, kept beside the weight while the weight lives (a weak map on the
-tensor that owns its memory, so as many bytes again as the weights the step multiplies) and
+tensor that owns its memory: as many bytes again as the weights the step multiplies,
+:func:`packed_bytes` says how many) and
 made again when the weight changes through torch: the key is the view's offset, shape, strides
 and address, and the owner's version counter, which every in-place write bumps. Not packed
 (read as stored): an inference tensor (it has no version counter to see a write by), and any
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-__all__ = ["PACKING", "applies", "available", "linear", "packed", "packing"]
+__all__ = ["PACKING", "applies", "available", "linear", "packed", "packed_bytes", "packing"]
 
 #: the rows oneDNN is told to expect when it packs: its layout for a few dozen rows, one for
 #: every call (fixed, so a product's bits never depend on which call packed its weight)
@@ -91,6 +92,14 @@ def packed(b: Any) -> Any:
             w = torch.ops.mkldnn._reorder_linear_weight(b.mT.contiguous(), ROWS_HINT)
             views[key] = owner._version, w
     return w
+
+
+def packed_bytes() -> int:
+    """The bytes the packed weights kept now take (the copy this module adds to a model's
+    weights), so that the cost is seen."""
+    with _LOCK:
+        return sum(w.numel() * w.element_size() for views in _kept().values()
+                   for _, w in views.values())
 
 
 @contextlib.contextmanager
