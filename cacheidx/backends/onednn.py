@@ -7,9 +7,11 @@ no compiler or functorch transform: elsewhere ``@`` stays the product, bit for b
 compiler without fusion computes.
 
 Why packed: oneDNN reads a plain weight through a reorder into its blocked layout on every
-call. Packed once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does
-for a linear layer), a decode step's few rows stream it faster: SmolLM2-135M's two-layer shape,
-its 15 products a step 2.4 -> 1.5 ms at 8 rows, 4.4 -> 3.2 at 32 (docs/performance.md).
+call. Packed once (``torch.ops.mkldnn._reorder_linear_weight``, the packing inductor's
+freezing gives a bfloat16 or float16 linear layer; for float32 it packs for MKL, whose packed
+product was no faster here than the plain one), a decode step's few rows stream it faster:
+SmolLM2-135M's two-layer shape, its 15 products a step 2.4 -> 1.5 ms at 8 rows, 4.4 -> 3.2
+at 32 (docs/performance.md).
 
 A packed weight is a copy, kept beside the weight while the weight lives (a weak map on the
 tensor that owns its memory: as many bytes again as the weights the step multiplies,
