@@ -639,6 +639,29 @@ def test_a_weight_is_packed_once_for_onednn_and_again_after_a_write():
     assert made not in kept and alone not in kept
 
 
+def test_a_head_major_pools_rows_are_weighed_by_onednn_but_never_packed():
+    """A pool's rows are no weight: they change every step, and a pack of each tile read would
+    be made on every call and kept while the pool lives. The head-major products weigh a
+    pool's values by oneDNN's linear, unpacked: no pack is made, and the product is ``p V``."""
+    from cacheidx.attention import layout
+    from cacheidx.attention.torch import SHORT, HeadMajor
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN linear to pack for")
+    xp = BACKEND.xp
+    pool = layout.zeros(xp, 4 * SHORT, 3, 64, dtype=xp.float32, layout="head")
+    pool[...] = torch.randn(4 * SHORT, 3, 64)
+    held = onednn.packed_bytes()
+    with torch.inference_mode():
+        for width in (SHORT, 2 * SHORT, 3 * SHORT):  # a tile growing, as a decode step's does
+            values = pool[:width][None]
+            p = torch.rand(1, 3, 4, width)
+            got = HeadMajor().weigh(p, values)
+            want = p @ values.permute(0, 2, 1, 3)  # sums of up to 1,536 products, reordered
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert onednn.packed_bytes() == held and pool not in onednn._kept()
+
+
 # -- attend compiled: one operator, the eager code inside -------------------------------------
 
 def attend_inputs(seed=0):

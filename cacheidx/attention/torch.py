@@ -23,12 +23,13 @@ no backward. On a GPU they stay too: the operator plans its reads on the host, a
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from .. import pools, pytree
+from ..backends import onednn
 from ..plan import Recent
 from . import layout, paged
 
@@ -72,7 +73,7 @@ class TorchPath:
         if (pools.parts(kpool)[0].device.type != "cpu" or not layout.head_major(kpool)
                 or not layout.head_major(vpool)):
             return None
-        return HeadMajor(backend)
+        return HeadMajor()
 
 
 #: the most query rows per kv head (grouped heads x tokens) whose scores are computed keys
@@ -83,12 +84,10 @@ FEW = 16
 SHORT = 512
 
 
-class HeadMajor(NamedTuple):
+class HeadMajor:
     """A lane's products where each head's slots are contiguous rows (a head-major pool), each
     shaped as the library streams fastest (a decode layer's figures against the standard's
     products: docs/attention.md, "Where the bytes lie")."""
-
-    backend: Any
 
     def scores(self, q: Tensor, keys: Tensor) -> Tensor:
         if q.shape[2] > FEW or keys.shape[1] < SHORT:  # a prefill's block (a transposed
@@ -119,12 +118,12 @@ class HeadMajor(NamedTuple):
         return lse, torch.ones_like(lse), out
 
     def weigh(self, p: Tensor, values: Tensor) -> Tensor:
-        # the backend's product with a weight (oneDNN's linear under inference mode, which
-        # streams V_h faster than MKL's P V_h there), head by head
+        # oneDNN's linear under inference mode, which streams V_h faster than MKL's P V_h
+        # there, head by head; unpacked: a pool's rows are no weight (backends/onednn.py)
         if values.shape[1] < SHORT:
             return p @ values.permute(0, 2, 1, 3)
         v = values[0]
-        return torch.stack([self.backend.matmul(p[0, h], v[:, h, :])
+        return torch.stack([onednn.product(p[0, h], v[:, h, :], pack=False)
                             for h in range(v.shape[1])])[None]
 
 

@@ -16,8 +16,8 @@ at 32 (docs/performance.md).
 A packed weight is a copy, kept beside the weight while the weight lives (a weak map on the
 tensor that owns its memory: as many bytes again as the weights the step multiplies,
 :func:`packed_bytes` says how many) and
-made again when the weight changes through torch: the key is the view's offset, shape, strides
-and address, and the owner's version counter, which every in-place write bumps. Not packed
+made again when the weight changes through torch: the key is the view's address, shape and
+strides, and the owner's version counter, which every in-place write bumps. Not packed
 (read as stored): an inference tensor (it has no version counter to see a write by), and any
 weight while :data:`PACKING` is off. A write behind torch's back (into a NumPy array sharing
 the weight's memory) is not seen: write weights through torch, or turn packing off.
@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-__all__ = ["PACKING", "applies", "available", "linear", "packed", "packed_bytes", "packing"]
+__all__ = ["PACKING", "applies", "available", "linear", "packed", "packed_bytes", "packing",
+           "product"]
 
 #: the rows oneDNN is told to expect when it packs: its layout for a few dozen rows, one for
 #: every call (fixed, so a product's bits never depend on which call packed its weight)
@@ -65,12 +66,18 @@ def applies(a: Any, b: Any) -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
-def linear(a: Any, b: Any) -> Any:
-    """``a @ b`` by oneDNN's linear, ``b`` packed where the module says (``applies(a, b)``
-    is the caller's to check)."""
+def product(a: Any, b: Any, *, pack: bool = True) -> Any:
+    """``a @ b``: oneDNN's :func:`linear` where it :func:`applies`, else ``@``."""
+    return linear(a, b, pack=pack) if applies(a, b) else a @ b
+
+
+def linear(a: Any, b: Any, *, pack: bool = True) -> Any:
+    """``a @ b`` by oneDNN's linear (``applies(a, b)`` is the caller's to check), ``b`` packed
+    where the module says and ``pack``: a model's weight, not rows of a pool, which change
+    every step (a pack of each would be made on every call, and kept while the pool lives)."""
     import torch
 
-    w = packed(b) if PACKING else None
+    w = packed(b) if pack and PACKING else None
     return torch.ops.mkldnn._linear_pointwise(a, b.mT if w is None else w, None, "none",
                                               [None], "")
 
@@ -83,7 +90,7 @@ def packed(b: Any) -> Any:
     owner = b if b._base is None else b._base
     if owner.is_inference():
         return None
-    key = (b.storage_offset(), tuple(b.shape), tuple(b.stride()), b.data_ptr())
+    key = (b.data_ptr(), tuple(b.shape), tuple(b.stride()))  # the view, within its owner
     kept = _kept()
     with _LOCK:
         views = kept.get(owner)

@@ -418,9 +418,7 @@ class TorchServing(PlainServing):
         """``a @ b`` for a weight ``b`` ``[in, out]``. On the CPU in float32 under inference
         mode: oneDNN's linear, each weight packed once (:mod:`cacheidx.backends.onednn`: its
         sums run in another order, the last bits differ)."""
-        if onednn.applies(a, b):
-            return onednn.linear(a, b)
-        return a @ b
+        return onednn.product(a, b)
 
 
 class TorchChecking(HostChecking):
