@@ -662,6 +662,43 @@ def test_a_head_major_pools_rows_are_weighed_by_onednn_but_never_packed():
     assert onednn.packed_bytes() == held and pool not in onednn._kept()
 
 
+@pytest.mark.parametrize("rows", [3, 2 * 128 + 5])
+@pytest.mark.parametrize("inference", [False, True])
+def test_stacked_rows_over_a_long_run_are_one_state_of_their_softmax(rows, inference):
+    """Rows every one of which sees a run whole (a shared prefix's stacked rows) are one call's
+    state ``(m, l, acc)``: oneDNN's products in base 2 under inference mode (rows in blocks
+    of ``ROWS``), torch's fused attention elsewhere. Either is the softmax's state to float32's
+    rounding (``acc / l`` the output, ``m + log l`` the log-sum-exp, against float64), and a
+    key or value that is not finite makes it decline, for the careful product."""
+    from cacheidx.attention import layout
+    from cacheidx.attention import torch as path
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN linear")
+    assert rows < path.ROWS or rows > 2 * path.ROWS  # one block, or three, the last short
+    cols, kv, d = 3 * path.SHORT, 3, 64
+    xp, rng = BACKEND.xp, np.random.default_rng(rows)
+    keys, values = (layout.zeros(xp, cols, kv, d, dtype=xp.float32, layout="head")
+                    for _ in "kv")
+    for pool in (keys, values):
+        pool[...] = torch.from_numpy(rng.standard_normal((cols, kv, d), dtype=np.float32))
+    q = torch.from_numpy(rng.standard_normal((1, kv, rows, d), dtype=np.float32)) * 0.4
+    z = q[0].double() @ keys.double().permute(1, 2, 0)  # [kv, rows, cols], float64
+    want = torch.softmax(z, -1) @ values.double().permute(1, 0, 2)
+    want_lse = torch.logsumexp(z, -1, keepdim=True)
+    ctx = torch.inference_mode() if inference else torch.no_grad()
+    with ctx, mock.patch.object(onednn, "linear", wraps=onednn.linear) as linear:
+        m, l, acc = path.HeadMajor().run(q, keys[None], values[None])
+        assert linear.call_count == (2 * kv * -(-rows // path.ROWS) if inference else 0)
+        for pool in (keys, values):
+            kept = pool[5, 1, 7].item()
+            pool[5, 1, 7] = float("inf")
+            assert path.HeadMajor().run(q, keys[None], values[None]) is None
+            pool[5, 1, 7] = kept
+    torch.testing.assert_close((acc / l).double(), want[None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((m + l.log()).double(), want_lse[None], rtol=1e-6, atol=1e-5)
+
+
 # -- attend compiled: one operator, the eager code inside -------------------------------------
 
 def attend_inputs(seed=0):
