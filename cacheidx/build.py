@@ -90,11 +90,18 @@ def rows(context: int, lens: Any, *, every: Iterable[int] = (), xp: Any = None,
         raise arguments.fail("rows", f"{batch} lanes of a context of {context} are more slots than "
                          f"int64 numbers")
     pos = _left_padded(lens, max(max(lens), 1))
-    table = np.arange(batch * context).reshape(batch, context)
-    blocks = []
-    for m in ms:
-        c = -(-context // m)
-        blocks.append((m, np.arange(batch * c).reshape(batch, c)))
+    try:
+        table = np.arange(batch * context).reshape(batch, context)
+        blocks = []
+        for m in ms:
+            c = -(-context // m)
+            blocks.append((m, np.arange(batch * c).reshape(batch, c)))
+    except MemoryError:
+        # the host's table is every slot: a context past memory is refused by name, not
+        # left to a bare MemoryError
+        raise arguments.fail("rows", f"{batch} lanes of a context of {context} need a table of "
+                             f"{8 * batch * context} bytes, more than the host could "
+                             "allocate") from None
     to = _converter(xp, device)
     index = CacheIndex(kind="tabled", pos=to(pos), table=to(table),
                        blocks=tuple((m, to(b)) for m, b in blocks))

@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from deadline import within
+from deadline import memory, within
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -128,11 +128,22 @@ def rows_args(draw):
 @settings(max_examples=150)
 @given(args=rows_args())
 def test_rows_ends_in_a_clear_error_or_an_index_that_reads(args):
+    """A context whose table would pass memory (``2**31 - 1``: 16 GiB a lane) is refused by
+    name: under a bound of 1 GiB more, as the host's memory would be were the system not
+    overcommitting (which lets the table fill memory until the process is killed)."""
     context, lens = args["context"], args["lens"]
-    index = clearly("rows", lambda: ci.rows(context, lens, every=args["every"]))
+    with memory(1 << 30):
+        index = clearly("rows", lambda: ci.rows(context, lens, every=args["every"]))
     if index is not None:
         assert index.context == context and list(index.table.shape) == [len(lens), context]
         reads(index)
+
+
+def test_rows_refuses_a_context_whose_table_passes_memory():
+    with memory(1 << 30), pytest.raises(ValueError, match=r"^cacheidx\.rows: 2 lanes of a "
+                                        r"context of 2147483647 need a table of 34359738352"):
+        ci.rows(2**31 - 1, [1, 2])
+    assert ci.rows(2**10, [1, 2]).table.shape == (2, 2**10)  # the bound is gone after
 
 
 bases = st.sampled_from([
