@@ -43,4 +43,3 @@ def memory(extra: int):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, old)
-
