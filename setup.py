@@ -4,9 +4,10 @@ cacheidx is installed; everything else is in pyproject.toml.
 The extension is optional: where no C compiler builds it, the install goes on (setuptools says
 why) and the array libraries' products read quantized and paged pools instead
 (cacheidx.attention.native says so once, as a warning). Its flags keep one set of numerics on
-every machine: no -march=native (kernel.c clones its entries per instruction set instead), no
--ffast-math or reassociation, no contraction into fused multiply-adds; OpenMP where the
-compiler links it (the kernel's threads are then the process's OpenMP pool, torch's own)."""
+every machine: no -march=native (kernel.c builds its vector code at each width a processor may
+offer and picks the widest at run time instead), no -ffast-math or reassociation, no
+contraction into fused multiply-adds; OpenMP where the compiler links it (the kernel's threads
+are then the process's OpenMP pool, torch's own)."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -54,6 +55,7 @@ class Flags(build_ext):
 
 setup(
     ext_modules=[Extension("cacheidx.attention.native._kernel",
-                           ["cacheidx/attention/native/kernel.c"], optional=True)],
+                           ["cacheidx/attention/native/kernel.c"],
+                           depends=["cacheidx/attention/native/lanes.h"], optional=True)],
     cmdclass={"build_ext": Flags},
 )

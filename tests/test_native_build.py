@@ -205,14 +205,18 @@ def test_the_paged_operator_compiles_as_one_node_and_says_a_refusal():
 
 
 def calls(seed: int = 0) -> list:
-    """The paged entry's and the runs' entry's outputs on random calls: float32, int8 and
-    int4 pools, runs of columns that end inside a vector's width, head dims of 64 and 40 (the
-    padded path)."""
+    """The paged entry's and the runs' entry's outputs on random calls: float32, bfloat16,
+    int8, int4 and turned 4-bit pools (the engine's groups, 16 channels for keys and 64 for
+    values: the whole-vector path), runs of columns that end inside a vector's width, head dims
+    of 64 and 40 (the padded path)."""
     import torch
+
+    from cacheidx import turned
 
     rng = np.random.default_rng(seed)
     out = []
-    for kind, d in (("float32", 64), ("int8", 64), ("int4", 64), ("float32", 40), ("int8", 40)):
+    for kind, d in (("float32", 64), ("bfloat16", 64), ("int8", 64), ("int4", 64),
+                    ("turned", 64), ("float32", 40), ("int8", 40)):
         lanes, kv, g, width = 3, 2, 3, 75
         n = lanes * width
         table = rng.permutation(n).reshape(lanes, width).astype(np.int64)
@@ -220,10 +224,14 @@ def calls(seed: int = 0) -> list:
         stop = np.asarray([75, 61, 17], np.int64)
         q = torch.as_tensor(rng.standard_normal((lanes, kv, g, d), dtype=np.float32) / 8)
         pools = []
-        for _ in range(2):
+        for group in (16, 64):
             x = torch.as_tensor(rng.standard_normal((n, kv, d), dtype=np.float32))
             if kind == "float32":
                 pools.append(x)
+            elif kind == "bfloat16":
+                pools.append(x.to(torch.bfloat16))
+            elif kind == "turned":
+                pools.append(turned.Turned(*turned.quantize(x, group)))
             else:
                 bits = 8 if kind == "int8" else 4
                 pools.append(quantized.Quantized(*quantized.quantize(x, bits)))
@@ -239,12 +247,36 @@ def calls(seed: int = 0) -> list:
     return out
 
 
+def widest_here() -> int:
+    """The floats a vector of the widest x86-64 level this processor runs (its flags in
+    /proc/cpuinfo): 16 with x86-64-v4's AVX-512, 8 with x86-64-v3's AVX2 and FMA, else 4."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave", "abm"}
+    v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    return 16 if v4 <= flags else 8 if v3 <= flags else 4
+
+
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
-                    reason="the kernel's clones are built for x86-64 Linux")
+                    reason="the kernel's widths are built for x86-64 Linux")
+def test_the_installed_kernel_takes_the_widest_vectors_this_processor_runs():
+    """The body the kernel runs is the widest the processor has registers for: a vector of 16
+    floats on a processor without AVX-512 lives in memory (ten times the time on AVX2), one of
+    4 leaves AVX2's registers half empty."""
+    kernel_or_skip()
+    assert found.library().layout()["width"] == widest_here()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the kernel's widths are built for x86-64 Linux")
 def test_a_build_for_the_oldest_x86_64_gives_the_installed_kernels_bits(tmp_path, fresh):
     """The same bits on every machine (``kernel.c``'s law): the kernel built for the baseline
-    x86-64 alone (SSE2: no AVX, no clones) gives exactly the installed build's outputs (the
-    clone this processor takes) on random paged calls, and on runs of slots in order."""
+    x86-64 alone (SSE2: one body, 4 floats a vector) gives exactly the installed build's
+    outputs (the widest body this processor runs: 8 floats on AVX2, 16 on AVX-512) on random
+    paged calls over every kind of pool, and on runs of slots in order."""
     import importlib.util
 
     pytest.importorskip("torch")
@@ -262,7 +294,7 @@ def test_a_build_for_the_oldest_x86_64_gives_the_installed_kernels_bits(tmp_path
     fresh.setitem(sys.modules, "baseline._kernel", module)
     fresh.setattr(found, "MODULE", "baseline._kernel")
     fresh.setattr(found, "_FOUND", [])
-    assert found.library() is module
+    assert found.library() is module and module.layout()["width"] == 4
     baseline = calls()
     assert len(baseline) == len(installed)
     for a, b in zip(installed, baseline, strict=True):

@@ -6,12 +6,14 @@
 
    The same bits on every machine: every sum is written as partial sums in one order, and
    compiled without reassociation or contraction (-ffp-contract=off, never -ffast-math), so a
-   vector of any width computes them as written. On x86-64 with GCC and glibc the entries are
-   cloned for x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and the baseline (target_clones: the
-   dynamic loader picks one for the processor, as -march=native would without tying the build
-   to it); every clone runs the same operations in the same order, so each gives the same
-   bits. A compiler that keeps floats in wider registers (FLT_EVAL_METHOD 1 or 2: x87) would
-   round differently, so it is refused. */
+   vector of any width computes them as written. Its vector code (lanes.h) is built at each
+   width a processor may offer, from one source: on x86-64 with GCC, 16 floats a vector for
+   x86-64-v4 (AVX-512), 8 for x86-64-v3 (AVX2) and 4 for the baseline (SSE2), the widest the
+   processor runs picked at the first call (as -march=native would, without tying the build to
+   the machine); elsewhere, or built with CACHEIDX_ONE_TARGET, one width (CACHEIDX_WIDTH, 4
+   unless said). Every width runs the same operations in the same order, so each gives the
+   same bits. A compiler that keeps floats in wider registers (FLT_EVAL_METHOD 1 or 2: x87)
+   would round differently, so it is refused. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
@@ -25,11 +27,9 @@
 #error "float arithmetic in wider registers: the kernel's sums would not be float32's"
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__) \
-    && __GNUC__ >= 8 && !defined(CACHEIDX_ONE_TARGET)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 \
+    && !defined(CACHEIDX_ONE_TARGET)
+#define WIDTHS 1  /* a body for each of x86-64-v4, v3 and the baseline, picked at run time */
 #endif
 
 /* every helper inlined into its caller, and so compiled for the caller's clone */
@@ -89,60 +89,6 @@ INLINE float largest(const float *a, int n) {
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int j = 0; j < w; j++) s[j] = s[j + w] > s[j] ? s[j + w] : s[j];
     return s[0];
-}
-
-/* LANES floats as one value: GCC's generic vectors, lowered to whatever registers a clone has
-   (one AVX-512 register, two AVX2 ones, four SSE ones) with the same operations lane by lane,
-   so every clone computes the same bits */
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint8_t vb __attribute__((vector_size(LANES)));
-
-INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
-INLINE void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
-
-/* fexp lane by lane, in vector operations (the compiler does not vectorise fexp's loop):
-   rintf(t) as (t + 1.5 2^23) - 1.5 2^23, the same integer for |t| < 2^22 under the default
-   rounding, and t is within [-126, 1] here */
-INLINE vf vexp(vf x) {
-    const vi low = x < -87.0f;
-    x = (vf)(((vi)x & ~low) | ((vi)((vf){0} - 87.0f) & low));
-    vf t = x * 1.44269504088896341f;
-    vf n = (t + 12582912.0f) - 12582912.0f;
-    vf f = (t - n) * 0.69314718055994531f;
-    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666666666666667e-1f + f * (
-        4.1666666666666667e-2f + f * (8.3333333333333333e-3f + f * (
-        1.3888888888888889e-3f + f * 1.9841269841269841e-4f))))));
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)e) & ~low);
-}
-
-/* The dot products of one query row with LANES key rows, as `halved` sums each: p[c] holds
-   column c's LANES partial sums (element i in sum i % LANES, left to right); the pairwise
-   halving (lanes j and j + 8, then j + 4, j + 2, j + 1) runs for the LANES columns at once,
-   two of them a vector at each level (a transpose as it goes), so column c's sum lands in
-   lane c: the same additions as `halved` on each column, a fifth of the instructions. */
-INLINE vf sums(const vf *p) {
-    vf a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1],
-                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
-             + __builtin_shuffle(p[2 * i], p[2 * i + 1],
-                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-    for (int i = 0; i < 4; i++)
-        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
-                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27})
-             + __builtin_shuffle(a[2 * i], a[2 * i + 1],
-                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-    for (int i = 0; i < 2; i++)
-        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
-                                 (vi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29})
-             + __builtin_shuffle(b[2 * i], b[2 * i + 1],
-                                 (vi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-    return __builtin_shuffle(c[0], c[1],
-                             (vi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30})
-         + __builtin_shuffle(c[0], c[1],
-                             (vi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
 /* codes of one row as floats c_i: 8 bits, or 4 bits packed (byte i: code i low, i + d/2 high) */
@@ -213,36 +159,6 @@ INLINE float scale_at(const void *base, long off, int k) {
     return k == F16 ? from_f16(h) : from_bf16(h);
 }
 
-/* A turned row (G4) as floats, turned.py's law T3's first half: y_i = (c_i - z) s over each
-   group of g channels, the difference an exact integer and one product, as the array path
-   computes it (bit for bit); codes packed as I4's. Padded with zeros to dp. */
-INLINE const float *turned_row(const uint8_t *restrict c, const void *sc, long soff, int sk,
-                               const int8_t *restrict z, int d, int dp, int g,
-                               float *restrict buf) {
-    const int h = d / 2;
-    if (h % LANES == 0 && g % LANES == 0) {  /* whole vectors: LANES codes a byte vector */
-        for (int i = 0; i < h; i += LANES) {
-            vb x;
-            memcpy(&x, c + i, sizeof x);
-            vstore(buf + i, __builtin_convertvector(__builtin_convertvector(x & 15, vi), vf));
-            vstore(buf + h + i, __builtin_convertvector(__builtin_convertvector(x >> 4, vi), vf));
-        }
-        for (int i = 0; i < d; i += LANES) {
-            const float s = scale_at(sc, soff + i / g, sk), zf = (float)z[soff + i / g];
-            vstore(buf + i, (vload(buf + i) - zf) * s);
-        }
-    } else {
-        for (int i = 0; i < h; i++) buf[i] = (float)(int)(c[i] & 15);
-        for (int i = 0; i < h; i++) buf[i + h] = (float)(int)(c[i] >> 4);
-        for (int j = 0; j < d / g; j++) {
-            const float s = scale_at(sc, soff + j, sk), zf = (float)z[soff + j];
-            for (int i = j * g; i < (j + 1) * g; i++) buf[i] = (buf[i] - zf) * s;
-        }
-    }
-    for (int i = d; i < dp; i++) buf[i] = 0.0f;
-    return buf;
-}
-
 /* asks the processor for the d elements of kind k at p, one cache line at a time, into its
    second-level cache (into the first, they would hold the line fill buffers demand reads need) */
 INLINE void ahead(const char *p, int d, int k) {
@@ -270,140 +186,6 @@ typedef struct {
     const int8_t *kz, *vz;         /* G4's zero points (NULL for other kinds) */
 } source;
 
-/* The online softmax's state (M, L, A: [g], [g], [g, dv]) of g query rows q [g, d] (scaled)
-   over columns c0 to c1 - 1 of one kv head, each key and value row read once for all g rows.
-   Scores are weighed in blocks of BLOCK columns, LANES columns at a time: each row's dot
-   products as `sums` adds them, times the key's scale, then exp(z - the block's running
-   maximum); values summed column by column in order, each weighed by its score times its
-   scale. Returns 1 (the outputs to be discarded) where a query is not finite, a score is NaN
-   or +inf, or the state is not finite at the end (a value or a scale that is not: the core
-   weighs the call as its laws say). A score of -inf weighs nothing; a row whose scores are
-   all -inf keeps M = -inf, L = 0, A = 0 (never exp(-inf - -inf)). */
-INLINE int attend(const source *src, long c0, long c1, const float *q, int g, int d, int dv,
-                  int kk, int vk, int kg, int vg, float *M, float *L, float *A) {
-    const int dp = (d + LANES - 1) / LANES * LANES, dvp = (dv + LANES - 1) / LANES * LANES;
-    const int nd = dp / LANES, ndv = dvp / LANES;
-    for (int i = 0; i < g * d; i++) if (!is_finite(q[i])) return 1;
-    float qp[ROWS * WIDEST], acc[ROWS * WIDEST];
-    const float *qr = q;
-    if (d != dp) {
-        for (int r = 0; r < g; r++)
-            for (int i = 0; i < dp; i++) qp[r * dp + i] = i < d ? q[r * d + i] : 0.0f;
-        qr = qp;
-    }
-    for (int r = 0; r < g; r++) { M[r] = -INFINITY; L[r] = 0.0f; }
-    memset(acc, 0, sizeof(float) * g * dvp);
-    float z[ROWS][BLOCK], kbuf[LANES * WIDEST], vbuf[LANES * WIDEST], ksc[LANES], vsc[LANES];
-    const float *rows[LANES];
-    const int64_t *slots = src->slots;
-    for (long t0 = c0; t0 < c1; t0 += BLOCK) {
-        int nb = c1 - t0 < BLOCK ? (int)(c1 - t0) : BLOCK;
-        for (int j0 = 0; j0 < nb; j0 += LANES) {
-            int n = nb - j0 < LANES ? nb - j0 : LANES;
-            /* the last few columns' slots padded with the first's: read past the lane's
-               last column, its slots could lie past the table's end */
-            const int64_t *at = slots + t0 + j0;
-            int64_t pad[LANES];
-            if (n < LANES) {
-                for (int c = 0; c < LANES; c++) pad[c] = at[c < n ? c : 0];
-                at = pad;
-            }
-            for (int c = 0; c < LANES; c++) {
-                long t = t0 + j0 + c, s = at[c];
-                if (c >= n) { rows[c] = rows[0]; ksc[c] = 1.0f; continue; }
-                /* the key rows AHEAD columns on fetched now: a lane's pages lie anywhere,
-                   and the processor's prefetcher stops at each page's end. Each pass asks
-                   for its own pool's rows (the value pass below for values): asked for
-                   together here, both pools' requests came in one burst the processor
-                   could not keep in flight (8 x 16k, pages in order: 30.5 ns a column and
-                   kv head against 24). Slight changes to this loop's order (the slot read
-                   after the test of c, say) have cost 25 to 50% over shuffled pages: time
-                   them with the pages shuffled. */
-                if (t + AHEAD < c1) {
-                    long f = slots[t + AHEAD];
-                    ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
-                    if (kk >= I8) ahead_scales(src->ks, src->kz, f * src->kss, src->ksk);
-                }
-                rows[c] = kk == G4
-                    ? turned_row((const uint8_t *)src->k + s * src->kst, src->ks, s * src->kss,
-                                 src->ksk, src->kz, d, dp, kg, kbuf + c * dp)
-                    : load(src->k, s * src->kst, kk, d, dp, kbuf + c * dp);
-                ksc[c] = scaled(kk) ? scale_at(src->ks, s * src->kss, src->ksk) : 1.0f;
-            }
-            for (int r = 0; r < g; r++) {
-                const float *qq = qr + r * dp;
-                vf p[LANES];
-                for (int c = 0; c < LANES; c++) {
-                    vf x = vload(qq) * vload(rows[c]);
-                    for (int i = 1; i < nd; i++)
-                        x += vload(qq + i * LANES) * vload(rows[c] + i * LANES);
-                    p[c] = x;
-                }
-                vf got = sums(p);
-                if (scaled(kk)) got *= vload(ksc);
-                vstore(&z[r][j0], got);  /* past n: columns read twice, never weighed */
-            }
-        }
-        int bad = 0;
-        for (int r = 0; r < g; r++)
-            for (int j = 0; j < nb; j++) bad |= !(z[r][j] < INFINITY);
-        if (bad) return 1;
-        for (int r = 0; r < g; r++) {
-            float top = largest(z[r], nb);
-            top = M[r] > top ? M[r] : top;
-            float base = top == -INFINITY ? 0.0f : top;
-            float fade = fexp(M[r] - base);  /* 0 where M is -inf: L and acc are 0 there */
-            for (int j = 0; j < nb; j += LANES)  /* past nb: never summed or weighed */
-                vstore(&z[r][j], vexp(vload(&z[r][j]) - base));
-            L[r] = L[r] * fade + sum(z[r], nb);
-            if (fade != 1.0f) for (int e = 0; e < dvp; e++) acc[r * dvp + e] *= fade;
-            M[r] = top;
-        }
-        for (int j0 = 0; j0 < nb; j0 += LANES) {
-            int n = nb - j0 < LANES ? nb - j0 : LANES;
-            for (int c = 0; c < n; c++) {
-                long t = t0 + j0 + c, s = slots[t];
-                if (t + AHEAD < c1) {
-                    long f = slots[t + AHEAD];
-                    ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
-                    if (vk >= I8) ahead_scales(src->vs, src->vz, f * src->vss, src->vsk);
-                }
-                rows[c] = vk == G4
-                    ? turned_row((const uint8_t *)src->v + s * src->vst, src->vs, s * src->vss,
-                                 src->vsk, src->vz, dv, dvp, vg, vbuf + c * dvp)
-                    : load(src->v, s * src->vst, vk, dv, dvp, vbuf + c * dvp);
-                vsc[c] = scaled(vk) ? scale_at(src->vs, s * src->vss, src->vsk) : 1.0f;
-            }
-            for (int r = 0; r < g; r++) {
-                float ws[LANES];
-                const float *w = &z[r][j0];  /* unscaled values: the weights are the scores */
-                if (scaled(vk)) {
-                    for (int c = 0; c < n; c++) ws[c] = z[r][j0 + c] * vsc[c];
-                    w = ws;
-                }
-                /* eight accumulators at a time, each a chain of its own: one chain would
-                   wait out each addition's latency */
-                for (int e0 = 0; e0 < ndv; e0 += 8) {
-                    int ne = ndv - e0 < 8 ? ndv - e0 : 8;
-                    float *o = acc + r * dvp + e0 * LANES;
-                    vf a[8];
-                    for (int e = 0; e < ne; e++) a[e] = vload(o + e * LANES);
-                    for (int c = 0; c < n; c++)
-                        for (int e = 0; e < ne; e++)
-                            a[e] += w[c] * vload(rows[c] + (e0 + e) * LANES);
-                    for (int e = 0; e < ne; e++) vstore(o + e * LANES, a[e]);
-                }
-            }
-        }
-    }
-    int bad = 0;
-    for (int r = 0; r < g; r++) {
-        for (int e = 0; e < dv; e++) bad |= !is_finite(A[r * dv + e] = acc[r * dvp + e]);
-        bad |= !is_finite(L[r]);
-    }
-    return bad;
-}
-
 /* ---- paged decode: every lane's seen columns through its row of the table, in one call ---- */
 
 /* The arguments of one paged call, by name (native/found.py's Paged mirrors them). */
@@ -425,48 +207,55 @@ typedef struct {
     float *m, *l, *acc;         /* [lanes, kv, g] twice, [lanes, kv, g, dv] */
 } cacheidx_paged_args;
 
-/* lane b at kv head h: its g query rows over its seen columns, read through its row of the
-   table (pages in any order, one slot a column), with attend's law */
-INLINE int lane(const cacheidx_paged_args *a, int b, int h, int d, int dv, int kk, int vk,
-                int kg, int vg) {
-    const long at = (long)b * a->kv + h;
-    const source s = {  /* kv head h's rows and scales (a float pool's scale strides are 0) */
-        (const char *)a->k + h * a->khs * width(kk),
-        (const char *)a->ks + h * a->kshs * width(a->kskind),
-        (const char *)a->v + h * a->vhs * width(vk),
-        (const char *)a->vs + h * a->vshs * width(a->vskind),
-        a->kst, a->kss, a->vst, a->vss, kk, vk, a->kskind, a->vskind,
-        a->table + (long)b * a->table_stride,
-        a->kz ? a->kz + h * a->kshs : NULL, a->vz ? a->vz + h * a->vshs : NULL };
-    return attend(&s, a->start[b], a->stop[b], a->q + at * a->g * d, a->g, d, dv, kk, vk, kg,
-                  vg, a->m + at * a->g, a->l + at * a->g, a->acc + at * a->g * dv);
-}
+/* ---- the vector code at each width (lanes.h), and the widest this processor runs ---- */
 
-/* one lane and kv head, its head dims and kinds (and a turned pool's groups) made constants
-   where they are the common ones (the loops then unroll and vectorise whole) */
-#define LANE(D, K) lane(a, b, h, D, D, K, K, a->kgroup, a->vgroup)
-#define TURNED(D) (a->kgroup == 16 && a->vgroup == 64 ? lane(a, b, h, D, D, G4, G4, 16, 64) \
-                   : LANE(D, G4))
-CLONES static int one(const cacheidx_paged_args *a, int b, int h) {
-    int d = a->d, kk = a->kkind;
-    if (d == a->dv && kk == a->vkind) {
-        if (d == 64) switch (kk) {
-            case F32: return LANE(64, F32); case F16: return LANE(64, F16);
-            case BF16: return LANE(64, BF16); case I8: return LANE(64, I8);
-            case I4: return LANE(64, I4); case G4: return TURNED(64);
-            default: break;
-        }
-        if (d == 128) switch (kk) {
-            case F32: return LANE(128, F32); case F16: return LANE(128, F16);
-            case BF16: return LANE(128, BF16); case I8: return LANE(128, I8);
-            case I4: return LANE(128, I4); case G4: return TURNED(128);
-            default: break;
-        }
-    }
-    return lane(a, b, h, a->d, a->dv, a->kkind, a->vkind, a->kgroup, a->vgroup);
-}
+#define N_(name, w) name##_##w
+#define N__(name, w) N_(name, w)
+#define N(name) N__(name, W)
 
-typedef struct { const cacheidx_paged_args *a; int next, bad; } work;
+typedef int (*one_fn)(const cacheidx_paged_args *, int, int);
+
+/* a body of the kernel and its width (floats a vector) */
+typedef struct { one_fn one; int width; } body;
+
+#ifdef WIDTHS
+#define W 16
+#define TARGET __attribute__((target("arch=x86-64-v4")))
+#include "lanes.h"
+#undef W
+#undef TARGET
+#define W 8
+#define TARGET __attribute__((target("arch=x86-64-v3")))
+#include "lanes.h"
+#undef W
+#undef TARGET
+#define W 4
+#define TARGET
+#include "lanes.h"
+#undef W
+#undef TARGET
+
+/* the widest body this processor runs */
+static body widest(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return (body){one_16, 16};
+    if (__builtin_cpu_supports("x86-64-v3")) return (body){one_8, 8};
+    return (body){one_4, 4};
+}
+#else
+#ifdef CACHEIDX_WIDTH
+#define W CACHEIDX_WIDTH
+#else
+#define W 4
+#endif
+#define TARGET
+#include "lanes.h"
+static body widest(void) { return (body){N(one), W}; }
+#undef W
+#undef TARGET
+#endif
+
+typedef struct { const cacheidx_paged_args *a; one_fn one; int next, bad; } work;
 
 /* takes lanes x kv heads one at a time until none is left (or one was refused) */
 static void *worker(void *p) {
@@ -475,7 +264,7 @@ static void *worker(void *p) {
     for (;;) {
         int i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
         if (i >= n || __atomic_load_n(&w->bad, __ATOMIC_RELAXED)) break;
-        if (one(w->a, i / w->a->kv, i % w->a->kv)) __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
+        if (w->one(w->a, i / w->a->kv, i % w->a->kv)) __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
     }
     return NULL;
 }
@@ -490,7 +279,7 @@ static int cacheidx_paged(const cacheidx_paged_args *a) {
         || (a->kkind == G4 && (a->kz == NULL || a->kgroup < 1 || a->d % a->kgroup))
         || (a->vkind == G4 && (a->vz == NULL || a->vgroup < 1 || a->dv % a->vgroup)))
         return 1;
-    work w = { a, 0, 0 };
+    work w = { a, widest().one, 0, 0 };
     int n = a->lanes * a->kv, threads = a->threads < n ? a->threads : n;
     if (threads > MOST_THREADS) threads = MOST_THREADS;
 #ifdef _OPENMP
@@ -561,8 +350,8 @@ static PyObject *py_layout(PyObject *self, PyObject *unused) {
         FIELD(cacheidx_paged_args, vz), FIELD(cacheidx_paged_args, m),
         FIELD(cacheidx_paged_args, l), FIELD(cacheidx_paged_args, acc));
     if (paged == NULL) return NULL;
-    return Py_BuildValue("{sNsisisi}", "paged", paged, "rows", (int)ROWS, "widest",
-                         (int)WIDEST, "abi", 4);
+    return Py_BuildValue("{sNsisisisi}", "paged", paged, "rows", (int)ROWS, "widest",
+                         (int)WIDEST, "abi", 4, "width", widest().width);
 }
 
 static PyMethodDef methods[] = {
