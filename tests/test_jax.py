@@ -468,6 +468,8 @@ EIGHT_DEVICES = textwrap.dedent("""
     eight, pools = decode(jax.device_put(params, whole), ix.to_device(whole), pools,
                           lambda x: jax.device_put(x, whole))
     out["max_difference"] = float(np.abs(one - eight).max())
+    out["largest_logit"] = float(np.abs(one).max())
+    out["close"] = bool(np.all(np.abs(one - eight) <= 1e-5 + 1e-5 * np.abs(one)))
     out["pools_cut"] = all(p.sharding.is_equivalent_to(cut, 3) for pair in pools for p in pair)
     out["shard_shape"] = list(pools[0][0].addressable_shards[0].data.shape)
     print(json.dumps(out))
@@ -493,6 +495,10 @@ def test_to_device_places_every_tensor_whole_on_each_of_eight_devices(eight_devi
 
 
 def test_pools_cut_along_heads_give_one_devices_logits_and_stay_cut(eight_devices):
-    assert eight_devices["max_difference"] <= 1e-5
+    """One device's logits within the file's tolerance (rtol and atol 1e-5, as ``assert_allclose``
+    takes them): eight devices sum a head's products in another order, and on an AVX2 machine
+    logits as large as 49 came 1.1e-5 away, past the absolute 1e-5 this test once asked."""
+    assert eight_devices["close"], (eight_devices["max_difference"],
+                                    eight_devices["largest_logit"])
     assert eight_devices["pools_cut"]
     assert eight_devices["shard_shape"] == [32, 1, 8]
