@@ -24,9 +24,11 @@ there (at 1 thread; at 2 it is the cores' time the step cost).
                                      [--threads 1 2]
 
 With ``--kernel`` it times the kernel alone instead: one layer's read (SmolLM2's 3 kv heads of
-64, its 3 query heads a kv head) of every lane's shuffled pages by one call of
-``cacheidx.attention.native.paged``, the median and fastest CPU time of ``--steps`` calls and
-the bytes a second that makes (codes and scales for int8).
+64, its 3 query heads a kv head) of every lane's pages, shuffled and in order (each lane's
+pages one run), by one call of ``cacheidx.attention.native.paged``, the median and fastest CPU
+time of ``--steps`` calls and the bytes a second that makes (codes and scales for int8). The
+two orders read the same bytes with the same work, so their ratio is what this machine's
+memory charges for a page met out of order.
 """
 
 from __future__ import annotations
@@ -254,8 +256,9 @@ def report(rows: list[dict], bw: float, steps: int, flops_s: float) -> None:
               f"| {'yes' if r['same_tokens'] else 'no'} |")
 
 
-def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
-    """One layer's paged read by the kernel alone (see the module), on torch, one thread."""
+def kernel_alone(lanes: int, context: int, kv: str, calls: int, shuffled: bool = True) -> dict:
+    """One layer's paged read by the kernel alone (see the module), on torch, one thread; the
+    pages ``shuffled``, or each lane's in order, one lane after another."""
     import torch
 
     import cacheidx as ci
@@ -267,6 +270,8 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     heads, g, d = 3, 3, 64
     rng = np.random.default_rng(0)
     table, n = shuffled_table(lanes, context)
+    if not shuffled:
+        table = np.sort(table, axis=None).reshape(table.shape)
     start, stop = np.zeros(lanes, np.int64), np.full(lanes, context, np.int64)
     q = torch.as_tensor(rng.standard_normal((lanes, heads, g, d), dtype=np.float32)) / 8
     pools = []
@@ -295,7 +300,8 @@ def kernel_alone(lanes: int, context: int, kv: str, calls: int) -> dict:
     seconds = seconds[1:]
     row = lanes * context * sum(p.nbytes for pool in pools for p in kinds.parts(pool)) // n
     med = statistics.median(seconds)
-    return {"lanes": lanes, "context": context, "kv": kv, "cpu_ms": 1e3 * med,
+    return {"lanes": lanes, "context": context, "kv": kv, "shuffled": shuffled,
+            "cpu_ms": 1e3 * med,
             "fastest_ms": 1e3 * min(seconds), "gb_per_s": row / med / 1e9}
 
 
@@ -311,14 +317,16 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", action="store_true", help="time the kernel alone, one layer")
     args = p.parse_args(argv)
     if args.kernel:
-        print("| lanes | context | pools | kernel CPU ms, one layer (fastest) | GB/s |")
-        print("|---:|---:|---|---|---:|")
+        print("| lanes | context | pools | pages | kernel CPU ms, one layer (fastest) | GB/s |")
+        print("|---:|---:|---|---|---|---:|")
         for lanes in args.lanes:
             for context in args.contexts:
                 for kv in args.kv:
-                    r = kernel_alone(lanes, context, kv, args.steps)
-                    print(f"| {lanes} | {context} | {kv} | {r['cpu_ms']:.1f} "
-                          f"({r['fastest_ms']:.1f}) | {r['gb_per_s']:.2f} |", flush=True)
+                    for shuffled in (True, False):
+                        r = kernel_alone(lanes, context, kv, args.steps, shuffled)
+                        print(f"| {lanes} | {context} | {kv} "
+                              f"| {'shuffled' if shuffled else 'in order'} | {r['cpu_ms']:.1f} "
+                              f"({r['fastest_ms']:.1f}) | {r['gb_per_s']:.2f} |", flush=True)
         return 0
     lc.timed_steps = timed_on_cpu
     bw, flops_s = lc.bandwidth(), flop_rate()
