@@ -664,12 +664,14 @@ def test_a_head_major_pools_rows_are_weighed_by_onednn_but_never_packed():
 
 @pytest.mark.parametrize("rows", [3, 2 * 128 + 5])
 @pytest.mark.parametrize("inference", [False, True])
-def test_stacked_rows_over_a_long_run_are_one_state_of_their_softmax(rows, inference):
+@pytest.mark.parametrize("wide", [False, True])
+def test_stacked_rows_over_a_long_run_are_one_state_of_their_softmax(rows, inference, wide):
     """Rows every one of which sees a run whole (a shared prefix's stacked rows) are one call's
-    state ``(m, l, acc)``: oneDNN's products in base 2 under inference mode (rows in blocks
-    of ``ROWS``), torch's fused attention elsewhere. Either is the softmax's state to float32's
-    rounding (``acc / l`` the output, ``m + log l`` the log-sum-exp, against float64), and a
-    key or value that is not finite makes it decline, for the careful product."""
+    state ``(m, l, acc)``: oneDNN's products in base 2 under inference mode where torch runs
+    its AVX-512 kernels (``wide``: rows in blocks of ``ROWS``), torch's fused attention
+    elsewhere. Either is the softmax's state to float32's rounding (``acc / l`` the output,
+    ``m + log l`` the log-sum-exp, against float64), and a key or value that is not finite
+    makes it decline, for the careful product."""
     from cacheidx.attention import layout
     from cacheidx.attention import torch as path
 
@@ -687,9 +689,11 @@ def test_stacked_rows_over_a_long_run_are_one_state_of_their_softmax(rows, infer
     want = torch.softmax(z, -1) @ values.double().permute(1, 0, 2)
     want_lse = torch.logsumexp(z, -1, keepdim=True)
     ctx = torch.inference_mode() if inference else torch.no_grad()
-    with ctx, mock.patch.object(onednn, "linear", wraps=onednn.linear) as linear:
+    with (ctx, mock.patch.object(onednn, "linear", wraps=onednn.linear) as linear,
+          mock.patch.object(path, "stacks_by_onednn", lambda: wide)):
         m, l, acc = path.HeadMajor().run(q, keys[None], values[None])
-        assert linear.call_count == (2 * kv * -(-rows // path.ROWS) if inference else 0)
+        assert linear.call_count == (2 * kv * -(-rows // path.ROWS) if inference and wide
+                                     else 0)
         for pool in (keys, values):
             kept = pool[5, 1, 7].item()
             pool[5, 1, 7] = float("inf")
