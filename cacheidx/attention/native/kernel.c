@@ -7,11 +7,11 @@
    The same bits on every machine: every sum is written as partial sums in one order, and
    compiled without reassociation or contraction (-ffp-contract=off, never -ffast-math), so a
    vector of any width computes them as written. Its vector code (lanes.h) is built at each
-   width a processor may offer, from one source: on x86-64 with GCC, 16 floats a vector for
-   x86-64-v4 (AVX-512), 8 for x86-64-v3 (AVX2) and 4 for the baseline (SSE2), the widest the
-   processor runs picked at the first call (as -march=native would, without tying the build to
-   the machine); elsewhere, or built with CACHEIDX_ONE_TARGET, one width (CACHEIDX_WIDTH, 4
-   unless said). Every width runs the same operations in the same order, so each gives the
+   width a processor may offer, from one source: on x86-64 with GCC 11 or later, 16 floats a
+   vector for x86-64-v4 (AVX-512), 8 for x86-64-v3 (AVX2) and 4 for the baseline (SSE2), the
+   widest the processor runs picked at the first call (as -march=native would, without tying
+   the build to the machine); elsewhere, or built with CACHEIDX_ONE_TARGET, one width
+   (CACHEIDX_WIDTH, 4 unless said). Every width runs the same operations in the same order, so each gives the
    same bits. A compiler that keeps floats in wider registers (FLT_EVAL_METHOD 1 or 2: x87)
    would round differently, so it is refused. */
 #define PY_SSIZE_T_CLEAN
@@ -27,12 +27,22 @@
 #error "float arithmetic in wider registers: the kernel's sums would not be float32's"
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 \
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 \
     && !defined(CACHEIDX_ONE_TARGET)
 #define WIDTHS 1  /* a body for each of x86-64-v4, v3 and the baseline, picked at run time */
+#if __GNUC__ >= 12
+#define HAS_V4 __builtin_cpu_supports("x86-64-v4")
+#define HAS_V3 __builtin_cpu_supports("x86-64-v3")
+#else  /* GCC 11 compiles for the levels but cannot name them at run time: their features */
+#define HAS_V3 (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") \
+                && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2"))
+#define HAS_V4 (HAS_V3 && __builtin_cpu_supports("avx512f") \
+                && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") \
+                && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512cd"))
+#endif
 #endif
 
-/* every helper inlined into its caller, and so compiled for the caller's clone */
+/* every helper inlined into its caller, and so compiled for the target of the caller's body */
 #define INLINE static inline __attribute__((always_inline))
 
 /* BLOCK: the columns a pass over keys takes before the pass over their values; 256 rather
@@ -238,8 +248,8 @@ typedef struct { one_fn one; int width; } body;
 /* the widest body this processor runs */
 static body widest(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return (body){one_16, 16};
-    if (__builtin_cpu_supports("x86-64-v3")) return (body){one_8, 8};
+    if (HAS_V4) return (body){one_16, 16};
+    if (HAS_V3) return (body){one_8, 8};
     return (body){one_4, 4};
 }
 #else
