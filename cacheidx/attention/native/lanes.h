@@ -6,8 +6,8 @@
    P = LANES / W vectors, and each operation runs on each of them, lane by lane, so every width
    computes the same bits. Only the registers differ: a GCC vector wider than the target's
    registers has no machine mode, lives in memory and is shuffled element by element (on AVX2,
-   16-float vectors took the kernel ten times as long as these of 8: 65 against 6.5 ms a layer
-   at 8 x 16k). */
+   16-float vectors took the kernel 2.3 to 4.6 times as long as these of 8: a layer at 8 x 16k,
+   float32 65 against 28 ms, int8 65 against 14). */
 
 #define P (LANES / W)
 
