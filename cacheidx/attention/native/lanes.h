@@ -166,16 +166,17 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
             for (int c = 0; c < LANES; c++) {
                 long t = t0 + j0 + c, s = at[c];
                 if (c >= n) { rows[c] = rows[0]; ksc[c] = 1.0f; continue; }
-                /* the key rows AHEAD columns on fetched now: a lane's pages lie anywhere,
-                   and the processor's prefetcher stops at each page's end. Each pass asks
-                   for its own pool's rows (the value pass below for values): asked for
-                   together here, both pools' requests came in one burst the processor
-                   could not keep in flight (8 x 16k, pages in order: 30.5 ns a column and
-                   kv head against 24). Slight changes to this loop's order (the slot read
-                   after the test of c, say) have cost 25 to 50% over shuffled pages: time
-                   them with the pages shuffled. */
-                if (t + AHEAD < c1) {
-                    long f = slots[t + AHEAD];
+                /* the key rows of a column of the next group fetched now (ahead_of): a
+                   lane's pages lie anywhere, and the processor's prefetcher stops at each
+                   page's end. Each pass asks for its own pool's rows (the value pass below
+                   for values): asked for together here, both pools' requests came in one
+                   burst the processor could not keep in flight (8 x 16k, pages in order:
+                   30.5 ns a column and kv head against 24). Slight changes to this loop's
+                   order (the slot read after the test of c, say) have cost 25 to 50% over
+                   shuffled pages: time them with the pages shuffled. */
+                const long ta = ahead_of(t);
+                if (ta < c1) {
+                    long f = slots[ta];
                     ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
                     if (kk >= I8) ahead_scales(src->ks, src->kz, f * src->kss, src->ksk);
                 }
@@ -222,8 +223,9 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < n; c++) {
                 long t = t0 + j0 + c, s = slots[t];
-                if (t + AHEAD < c1) {
-                    long f = slots[t + AHEAD];
+                const long ta = ahead_of(t);
+                if (ta < c1) {
+                    long f = slots[ta];
                     ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
                     if (vk >= I8) ahead_scales(src->vs, src->vz, f * src->vss, src->vsk);
                 }
