@@ -49,7 +49,7 @@
    than 64 took one layer's float32 reads over shuffled pages at 8 x 16k from 41 to 30 ns a
    column and kv head (23 against 30.5 with pages in order), the passes' bookkeeping and their
    turns from one pool to the other a quarter as often */
-enum { ROWS = 16, BLOCK = 256, LANES = 16, WIDEST = 1024, RUN = 16, STREAMS = 8 };
+enum { ROWS = 16, BLOCK = 256, LANES = 16, WIDEST = 1024, RUN = 16, STREAMS = 8, AHEAD = 64 };
 
 INLINE float fexp(float x) {
     float x0 = x;
@@ -176,18 +176,22 @@ INLINE void ahead(const char *p, int d, int k) {
     for (long x = 0; x < bytes; x += 64) __builtin_prefetch(p + x, 0, 2);
 }
 
-/* The column whose rows a pass asks for at column t: one in the next group of STREAMS runs
-   of RUN columns, the runs taken in turn, a row of each (column t of a group asks for row
-   t / STREAMS of run t % STREAMS of the next group), so that every column of a group is
-   asked for once while the group before it is read. A run is a page as servers' allocators
-   hand them out (16 slots: vLLM's default block, the engine's), and a lane's pages lie
-   anywhere in the pool: a core follows several runs of memory at once only where it is
-   asked for them together. Asked for one run after another, shuffled pages of 4 KB (a kv
-   head's 16 rows of 64 floats) came at 8 to 10 GB/s on a Zen 3 core, in order 17 to 18; four
-   pages in turn, 12 to 15 (a C loop over 512 MB). One layer at 8 x 16k float32 over shuffled
-   pages: 24 to 30 ms a row 64 columns ahead, 18 to 22 ms with 8 runs in turn (4: 19 to
-   23, 16: 18 to 25). Other pages than 16 slots are asked for alike, every column once. */
-INLINE long ahead_of(long t) {
+/* The column whose rows of kind k a pass asks for at column t. Float rows: one in the next
+   group of STREAMS runs of RUN columns, the runs taken in turn, a row of each (column t of a
+   group asks for row t / STREAMS of run t % STREAMS of the next group), so that every column
+   of a group is asked for once while the group before it is read. A run is a page as
+   servers' allocators hand them out (16 slots: vLLM's default block, the engine's), and a
+   lane's pages lie anywhere in the pool: a core follows several runs of memory at once only
+   where it is asked for them together. Asked for one run after another, shuffled pages of
+   4 KB (a kv head's 16 rows of 64 floats) came at 8 to 10 GB/s on a Zen 3 core, in order 17
+   to 18; four pages in turn, 12 to 15 (a C loop over 512 MB). One layer at 8 x 16k float32
+   over shuffled pages: 24 to 30 ms a row AHEAD columns on, 18 to 22 ms with 8 runs in turn
+   (4: 19 to 23, 16: 18 to 25); 32 x 16k: 129 against 88 ms. Other pages than 16 slots are
+   asked for alike, every column once. Codes (8 and 4 bits, a page of 1 KB or less, their
+   passes bound by arithmetic): the row AHEAD columns on, as before, which took 2 to 8% less
+   than runs in turn over shuffled pages (int8, 8 and 32 lanes x 16k, most of 9 runs). */
+INLINE long ahead_of(long t, int k) {
+    if (k >= I8) return t + AHEAD;
     const unsigned long group = STREAMS * RUN, u = (unsigned long)t, at = u % group;
     return (long)((u / group + 1) * group + at % STREAMS * RUN + at / STREAMS);
 }

@@ -174,7 +174,7 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
                    30.5 ns a column and kv head against 24). Slight changes to this loop's
                    order (the slot read after the test of c, say) have cost 25 to 50% over
                    shuffled pages: time them with the pages shuffled. */
-                const long ta = ahead_of(t);
+                const long ta = ahead_of(t, kk);
                 if (ta < c1) {
                     long f = slots[ta];
                     ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
@@ -223,7 +223,7 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < n; c++) {
                 long t = t0 + j0 + c, s = slots[t];
-                const long ta = ahead_of(t);
+                const long ta = ahead_of(t, vk);
                 if (ta < c1) {
                     long f = slots[ta];
                     ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
