@@ -184,12 +184,13 @@ INLINE void ahead(const char *p, int d, int k) {
    lane's pages lie anywhere in the pool: a core follows several runs of memory at once only
    where it is asked for them together. Asked for one run after another, shuffled pages of
    4 KB (a kv head's 16 rows of 64 floats) came at 8 to 10 GB/s on a Zen 3 core, in order 17
-   to 18; four pages in turn, 12 to 15 (a C loop over 512 MB). One layer at 8 x 16k float32
-   over shuffled pages: 24 to 30 ms a row AHEAD columns on, 18 to 22 ms with 8 runs in turn
-   (4: 19 to 23, 16: 18 to 25); 32 x 16k: 129 against 88 ms. Other pages than 16 slots are
-   asked for alike, every column once. Codes (8 and 4 bits, a page of 1 KB or less, their
-   passes bound by arithmetic): the row AHEAD columns on, as before, which took 2 to 8% less
-   than runs in turn over shuffled pages (int8, 8 and 32 lanes x 16k, most of 9 runs). */
+   to 18; the lines of four pages asked for in turn, 12 to 14 (a C loop over 512 MB). One
+   layer at 8 x 16k float32 over shuffled pages: 24 to 32 ms a row AHEAD columns on, 18 to 22
+   ms with 8 runs in turn (4: 19 to 23, 16: 18 to 25); 32 x 16k: 129 against 88 ms. Other
+   pages than 16 slots are asked for alike, every column once. Codes (8 and 4 bits, a page of
+   1 KB or less, their passes bound by arithmetic): the row AHEAD columns on, as before,
+   which took 2 to 8% less than runs in turn over shuffled pages (int8, 8 and 32 lanes x 16k,
+   most of 9 runs). */
 INLINE long ahead_of(long t, int k) {
     if (k >= I8) return t + AHEAD;
     const unsigned long group = STREAMS * RUN, u = (unsigned long)t, at = u % group;
