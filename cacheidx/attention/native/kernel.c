@@ -205,6 +205,18 @@ INLINE void ahead_scales(const void *scales, const int8_t *z, long off, int sk) 
     if (z) __builtin_prefetch(z + off, 0, 2);
 }
 
+/* asks for the row of column ahead_of(t) (before c1) of a lane's pool of kind k, whose rows
+   lie st elements apart from rows (bytes for codes), and for codes their scales (ss apart,
+   of kind sk) and a turned row's zero points (z, laid out as the scales; NULL otherwise) */
+INLINE void ask_ahead(const void *rows, long st, const void *scales, const int8_t *z, long ss,
+                      int sk, const int64_t *slots, long t, long c1, int d, int k) {
+    const long ta = ahead_of(t, k);
+    if (ta >= c1) return;
+    const long f = slots[ta];
+    ahead((const char *)rows + f * st * width(k), d, k);
+    if (k >= I8) ahead_scales(scales, z, f * ss, sk);
+}
+
 /* Where one kv head's key and value rows lie: the rows of column t at slot s = slots[t] start
    at k + s kst elements (bytes for codes), their scales (I8 and I4 pools: one a row; G4: one
    a group) at ks + s kss, a G4 row's zero points at kz + s kss (int8, laid out as its

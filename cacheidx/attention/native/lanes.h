@@ -166,7 +166,7 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
             for (int c = 0; c < LANES; c++) {
                 long t = t0 + j0 + c, s = at[c];
                 if (c >= n) { rows[c] = rows[0]; ksc[c] = 1.0f; continue; }
-                /* the key rows of a column of the next group fetched now (ahead_of): a
+                /* the key rows of a column further on fetched now (ask_ahead): a
                    lane's pages lie anywhere, and the processor's prefetcher stops at each
                    page's end. Each pass asks for its own pool's rows (the value pass below
                    for values): asked for together here, both pools' requests came in one
@@ -174,12 +174,8 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
                    30.5 ns a column and kv head against 24). Slight changes to this loop's
                    order (the slot read after the test of c, say) have cost 25 to 50% over
                    shuffled pages: time them with the pages shuffled. */
-                const long ta = ahead_of(t, kk);
-                if (ta < c1) {
-                    long f = slots[ta];
-                    ahead((const char *)src->k + f * src->kst * width(kk), d, kk);
-                    if (kk >= I8) ahead_scales(src->ks, src->kz, f * src->kss, src->ksk);
-                }
+                ask_ahead(src->k, src->kst, src->ks, src->kz, src->kss, src->ksk, slots, t, c1,
+                          d, kk);
                 rows[c] = kk == G4
                     ? N(turned_row)((const uint8_t *)src->k + s * src->kst, src->ks,
                                     s * src->kss, src->ksk, src->kz, d, dp, kg, kbuf + c * dp)
@@ -223,12 +219,8 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
             int n = nb - j0 < LANES ? nb - j0 : LANES;
             for (int c = 0; c < n; c++) {
                 long t = t0 + j0 + c, s = slots[t];
-                const long ta = ahead_of(t, vk);
-                if (ta < c1) {
-                    long f = slots[ta];
-                    ahead((const char *)src->v + f * src->vst * width(vk), dv, vk);
-                    if (vk >= I8) ahead_scales(src->vs, src->vz, f * src->vss, src->vsk);
-                }
+                ask_ahead(src->v, src->vst, src->vs, src->vz, src->vss, src->vsk, slots, t, c1,
+                          dv, vk);
                 rows[c] = vk == G4
                     ? N(turned_row)((const uint8_t *)src->v + s * src->vst, src->vs,
                                     s * src->vss, src->vsk, src->vz, dv, dvp, vg,
