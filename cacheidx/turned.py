@@ -62,6 +62,7 @@ import numpy as np
 
 from . import _arguments as arguments
 from . import pools, quantized
+from .static import constant
 
 __all__ = ["Turned", "block", "bound", "dequantize", "half", "quantize", "roundtrip", "turn",
            "zeros"]
@@ -119,7 +120,7 @@ def block(d: int) -> int:
 def turn(x: Any, *, xp: Any = None) -> Any:
     """``x H`` (law T1) of float32 rows ``x`` ``[..., d]``: its own inverse up to ``b``."""
     xp = xp or _xp(x)
-    d = int(x.shape[-1])
+    d = constant(x.shape[-1])
     lead = tuple(x.shape[:-1])
     y, h = x, 1
     while h < block(d):
@@ -158,7 +159,7 @@ def quantize(x: Any, group: int = 16, *, scale_dtype: Any = None, xp: Any = None
     if x.ndim == 0 or int(x.shape[-1]) % 2 or int(x.shape[-1]) == 0:
         raise arguments.fail(fn, "x must be rows [..., d] of an even length d (two codes a "
                              f"byte), got shape {list(x.shape)}")
-    d = int(x.shape[-1])
+    d = constant(x.shape[-1])
     group = group_of(fn, d, group)
     f32 = xp.float32
     x = x if x.dtype == f32 else xp.astype(x, f32)
@@ -209,7 +210,7 @@ def turned_values(pool: Any, xp: Any) -> Any:
     """``ŷ = (c - z) s`` of a turned pool or a read of one (T3's first half), float32."""
     codes, scales, zeros = pool
     f32 = xp.float32
-    d, n = 2 * int(codes.shape[-1]), int(scales.shape[-1])
+    d, n = 2 * constant(codes.shape[-1]), constant(scales.shape[-1])
     lead = tuple(codes.shape[:-1])
     c = xp.concat([xp.bitwise_and(codes, 15), xp.bitwise_right_shift(codes, 4)], axis=-1)
     c = xp.reshape(xp.astype(c, f32), (*lead, n, d // n))
@@ -319,7 +320,7 @@ class _Turned:
         # by H / b (a library's matrix product) rather than T3's stages of sums, which cost a
         # decode step 8x its float pools' time in small operations
         y = turned_values(read, xp)
-        back = _back(xp, int(y.shape[-1]), y.dtype, _device(y))
+        back = _back(xp, constant(y.shape[-1]), y.dtype, _device(y))
         if y.ndim != 4:
             x = y @ back
         else:  # a tile [batch, T, kv, d]: made head by head, each head's rows contiguous, as
