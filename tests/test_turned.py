@@ -72,3 +72,26 @@ def test_a_pool_of_another_shape_is_refused_by_attend():
     q = np.zeros((1, 2, 1, 8), np.float32)
     with pytest.raises(ValueError, match=r"cacheidx\.attend: kpool must hold codes"):
         index.attend(q, q, q, bad, good)
+
+
+
+def test_a_rows_width_is_a_constant_of_a_symbolic_program():
+    """``static.constant`` (the turn's widths): under ``torch.compile(dynamic=True)`` a program
+    holds a width it takes constant (a new width, a new program) and its batch symbolic (a new
+    batch, the same program); an integer everywhere else."""
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.testing import CompileCounter
+
+    from cacheidx.static import constant
+
+    assert constant(64) == 64 and constant(np.int64(8)) == 8
+    counter = CompileCounter()
+
+    def pairs(x):
+        return x.reshape(*x.shape[:-1], constant(x.shape[-1]) // 2, 2).sum(-1)
+
+    step = torch.compile(pairs, dynamic=True, backend=counter, fullgraph=True)
+    for shape in [(3, 2, 16), (5, 2, 16), (3, 2, 8), (7, 2, 8)]:
+        x = torch.randn(shape)
+        assert torch.equal(step(x), pairs(x))
+    assert counter.frame_count == 2, f"{counter.frame_count} programs for two widths"
