@@ -125,6 +125,18 @@ INLINE const float *N(turned_row)(const uint8_t *restrict c, const void *sc, lon
     return buf;
 }
 
+/* Column s's row of one pool of kind k as floats (padded with zeros to dp), and through `scale`
+   its scale (1 where the pool has none): what each pass reads of a column. */
+INLINE const float *N(row)(const void *pool, long st, const void *sc, long ss, int sk,
+                           const int8_t *z, int k, int d, int dp, int grp, long s, float *buf,
+                           float *scale) {
+    const float *r = k == G4
+        ? N(turned_row)((const uint8_t *)pool + s * st, sc, s * ss, sk, z, d, dp, grp, buf)
+        : load(pool, s * st, k, d, dp, buf);
+    *scale = scaled(k) ? scale_at(sc, s * ss, sk) : 1.0f;
+    return r;
+}
+
 /* The online softmax's state (M, L, A: [g], [g], [g, dv]) of g query rows q [g, d] (scaled)
    over columns c0 to c1 - 1 of one kv head, each key and value row read once for all g rows.
    Scores are weighed in blocks of BLOCK columns, LANES columns at a time: each row's dot
@@ -176,11 +188,8 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
                    shuffled pages: time them with the pages shuffled. */
                 ask_ahead(src->k, src->kst, src->ks, src->kz, src->kss, src->ksk, slots, t, c1,
                           d, kk);
-                rows[c] = kk == G4
-                    ? N(turned_row)((const uint8_t *)src->k + s * src->kst, src->ks,
-                                    s * src->kss, src->ksk, src->kz, d, dp, kg, kbuf + c * dp)
-                    : load(src->k, s * src->kst, kk, d, dp, kbuf + c * dp);
-                ksc[c] = scaled(kk) ? scale_at(src->ks, s * src->kss, src->ksk) : 1.0f;
+                rows[c] = N(row)(src->k, src->kst, src->ks, src->kss, src->ksk, src->kz, kk, d,
+                                 dp, kg, s, kbuf + c * dp, &ksc[c]);
             }
             for (int r = 0; r < g; r++) {
                 const float *qq = qr + r * dp;
@@ -221,12 +230,8 @@ INLINE int N(attend)(const source *src, long c0, long c1, const float *q, int g,
                 long t = t0 + j0 + c, s = slots[t];
                 ask_ahead(src->v, src->vst, src->vs, src->vz, src->vss, src->vsk, slots, t, c1,
                           dv, vk);
-                rows[c] = vk == G4
-                    ? N(turned_row)((const uint8_t *)src->v + s * src->vst, src->vs,
-                                    s * src->vss, src->vsk, src->vz, dv, dvp, vg,
-                                    vbuf + c * dvp)
-                    : load(src->v, s * src->vst, vk, dv, dvp, vbuf + c * dvp);
-                vsc[c] = scaled(vk) ? scale_at(src->vs, s * src->vss, src->vsk) : 1.0f;
+                rows[c] = N(row)(src->v, src->vst, src->vs, src->vss, src->vsk, src->vz, vk,
+                                 dv, dvp, vg, s, vbuf + c * dvp, &vsc[c]);
             }
             for (int r = 0; r < g; r++) {
                 float ws[LANES];
