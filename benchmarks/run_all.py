@@ -9,8 +9,9 @@ the page is typed by hand.
     python benchmarks/run_all.py [--quick] [--only NAME ...] [--timeout S] [--out PATH]
 
 ``--quick`` passes ``--quick`` to the benchmarks that take it (a smoke run of tiny sizes).
-``--only NAME ...`` runs those benchmarks and keeps the other sections of the page as they
-were, each saying when it was measured.
+``--only NAME ...`` runs those benchmarks (``extend.py`` or ``extend``) and keeps the other
+sections of the page as they were, each saying when it was measured; a name that is no
+benchmark here is an error, and the page is left as it was.
 """
 
 from __future__ import annotations
@@ -424,7 +425,8 @@ def sections(text: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--quick", action="store_true", help="pass --quick where a benchmark takes it")
-    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these (e.g. extend.py)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="run only these (extend.py, or extend)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per benchmark")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md")
     p.add_argument("--dir", type=Path, default=HERE, help="where the benchmarks are")
@@ -432,6 +434,13 @@ def main(argv=None) -> int:
     img = args.out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     every = benchmarks(args.dir)
+    if args.only:  # a name with or without ".py"; one that names nothing fails, page untouched
+        names = [b[0] for b in every]
+        args.only = [n if n.endswith(".py") else f"{n}.py" for n in args.only]
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            p.error(f"argument --only: no benchmark named {unknown[0]!r} in {args.dir}; "
+                    f"there are {', '.join(names)}")
     todo = [b for b in every if not args.only or b[0] in args.only]
     kept = sections(args.out.read_text()) if args.only and args.out.exists() else {}
     # the benchmarks --only leaves out: their sections as the page had them, if it had them

@@ -97,6 +97,14 @@ def test_run_all_only_measures_again_and_keeps_the_other_sections(tmp_path):
     assert "| decode | 7.5 |" in text  # prefix.py measured again
     assert text.index("## extend.py") < text.index("## prefix.py")
     assert text.count("python benchmarks/run_all.py") == 1
+    # a name without ".py" is the benchmark's; one that names none fails and writes nothing
+    (bench / "prefix.py").write_text(FAKE.replace("1.5 |", "3.5 |"))
+    assert run_all("--only", "prefix").returncode == 0
+    assert "| decode | 3.5 |" in page.read_text()
+    before = page.read_text()
+    out = run_all("--only", "nosuch")
+    assert out.returncode == 2 and "no benchmark named 'nosuch.py'" in out.stderr, out.stderr
+    assert page.read_text() == before
 
 
 def test_only_keeps_a_section_the_summary_has_no_row_for():
