@@ -197,7 +197,7 @@ def dequantize(pool: Any, *, xp: Any = None) -> Any:
                         f"{codes.dtype} and {zeros.dtype}")
     if not quantized.real_floats(xp, scales.dtype):
         raise TypeError(f"cacheidx.{fn}: scales must hold real floats, got {scales.dtype}")
-    d, n = 2 * int(codes.shape[-1]), int(scales.shape[-1])
+    d, n = 2 * constant(codes.shape[-1]), constant(scales.shape[-1])
     if (tuple(scales.shape) != tuple(zeros.shape) or n == 0 or d % n
             or tuple(scales.shape[:-1]) != tuple(codes.shape[:-1])):
         raise arguments.fail(fn, f"codes [..., d // 2] take scales and zeros [..., d // g] for "

@@ -74,7 +74,6 @@ def test_a_pool_of_another_shape_is_refused_by_attend():
         index.attend(q, q, q, bad, good)
 
 
-
 def test_a_rows_width_is_a_constant_of_a_symbolic_program():
     """``static.constant`` (the turn's widths): under ``torch.compile(dynamic=True)`` a program
     holds a width it takes constant (a new width, a new program) and its batch symbolic (a new
